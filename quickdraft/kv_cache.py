@@ -1,0 +1,55 @@
+"""A preallocated key/value cache, written by position.
+
+Every sequence owns one *slot*: a row of ``max_len`` positions in each layer's key and value
+tensors. A forward pass writes the keys and values of its new tokens at their positions; the
+engine keeps each sequence's valid length. Discarding rejected draft tokens is therefore free: the
+length moves back and the next pass overwrites those positions (gpt-fast's ``KVCache.update``,
+nano-vllm's block manager). Nothing is ever copied or reallocated during decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.models.config import ModelConfig
+
+
+class KVCache:
+    """keys[layer], values[layer]: [num_slots, num_kv_heads, max_len, head_dim]."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device="cpu"):
+        shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("KV cache has no free slot")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise RuntimeError(f"KV slot {slot} freed twice or out of range")
+        self._free.append(slot)
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_kv_heads, n, head_dim] for positions start .. start+n-1 of ``slot``."""
+        n = k.shape[1]
+        self.keys[layer][slot, :, start : start + n] = k
+        self.values[layer][slot, :, start : start + n] = v
+
+    def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` positions: two [num_kv_heads, length, head_dim] views."""
+        return self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length]

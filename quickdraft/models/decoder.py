@@ -1,0 +1,219 @@
+"""The decoder-only transformer of the llama / qwen2 family, written for verification passes.
+
+Llama (Touvron et al. 2023) and Qwen2 (Yang et al. 2024) share one block: RMSNorm, rotary
+position embeddings, grouped-query attention, a SwiGLU MLP; Qwen2 adds biases on q, k and v.
+``forward`` takes a *ragged batch*: the new tokens of several sequences concatenated, each sequence
+with its own KV-cache slot, its own number of tokens already cached, and an optional mask among
+its new tokens (a causal chain by default, a token tree for tree verification). It returns hidden
+states; ``logits`` is a separate call so that draft heads can read the hidden states and so that
+only the rows a verifier needs pay for the large output projection.
+
+Batch invariance (ARCHITECTURE.md point 11): a token's hidden state must not depend on what else
+is in the pass, or a verification pass would disagree with single-token decoding by rounding.
+Measured on this CPU with torch 2.13: float32 matmul computes rows in blocks of four, and the
+rows of a last partial block (1..3 rows) take another kernel, with results ~1e-6 apart; a bfloat16
+matmul of 1 row differs from >= 2 rows for some shapes (1536 -> 8960). With the row count padded
+to a multiple of ``ROW_MULTIPLE`` (zero rows appended and dropped) every row agrees bit for bit
+in both dtypes, 1..80 rows tested; at batch 1 this is nearly free in bfloat16, because decoding
+is bound by reading the weights, not by arithmetic. Attention is computed per sequence in float32,
+norms in float32, so no row ever meets another sequence's data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.config import ModelConfig
+
+ROW_MULTIPLE = 4
+MAX_ROW_BY_ROW = 32  # a chain of at most this many new tokens attends row by row (see _attention)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens go. Passed explicitly to every forward, never stored."""
+
+    slots: list[int]  # [batch] KV-cache slot of each sequence
+    context_lens: list[int]  # [batch] tokens of each sequence already in the cache
+    query_lens: list[int]  # [batch] new tokens of each sequence in this pass (sum = num_tokens)
+    # [batch] None: causal chain among the new tokens; else [query_len, query_len] bool, True =
+    # may attend (for token trees). Cached tokens are always visible.
+    masks: list[torch.Tensor | None] | None = None
+
+    @classmethod
+    def chain(cls, slots, context_lens, query_lens) -> "AttentionMetadata":
+        return cls(list(slots), list(context_lens), list(query_lens), None)
+
+    def positions(self, device) -> torch.Tensor:
+        """[num_tokens] the position of each new token when the new tokens form chains."""
+        return torch.cat([torch.arange(c, c + q) for c, q in zip(self.context_lens, self.query_lens)]).to(device)
+
+
+def _padded(n: int) -> int:
+    return -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    n = x.shape[0]
+    if n % ROW_MULTIPLE == 0:
+        return x, n
+    return torch.cat([x, x.new_zeros((_padded(n) - n,) + x.shape[1:])]), n
+
+
+def _bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [batch, rows, k] @ b [batch, k, n], with rows padded to a multiple of ROW_MULTIPLE for batch invariance."""
+    rows = a.shape[1]
+    if rows % ROW_MULTIPLE == 0:
+        return torch.matmul(a, b)
+    a = torch.cat([a, a.new_zeros(a.shape[0], _padded(rows) - rows, a.shape[2])], dim=1)
+    return torch.matmul(a, b)[:, :rows]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ weight[out, in].T (+ bias): rows padded to a multiple of ROW_MULTIPLE, for batch invariance."""
+    xp, n = _pad_rows(x)
+    return F.linear(xp, weight, bias)[:n]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, hidden]: normalized in float32, returned in x's dtype (as Hugging Face's LlamaRMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """Rotary position embedding (Su et al. 2021) in the rotate-half layout of Hugging Face."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
+        self.cos = angles.cos().float().to(device)
+        self.sin = angles.sin().float().to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim], positions [n] -> rotated x (computed in float32)."""
+        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Decoder:
+    """The target (or draft) model. ``weights`` uses Hugging Face names (ModelConfig.weight_names)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        missing = [n for n in config.weight_names() if n not in weights]
+        if missing:
+            raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+        self.config = config
+        self.w = weights
+        embed = weights["model.embed_tokens.weight"]
+        self.device = embed.device
+        self.dtype = embed.dtype
+        self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings, self.device)
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decoding step reads (embedding rows excluded: one row per token)."""
+        total = sum(t.numel() * t.element_size() for n, t in self.w.items() if n != "model.embed_tokens.weight")
+        if self.config.tie_word_embeddings:
+            total += self.lm_head.numel() * self.lm_head.element_size()
+        return total
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [num_tokens] int64, sequences' new tokens concatenated
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv: KVCache,
+        meta: AttentionMetadata,
+        num_layers: int | None = None,  # run only the first layers (self-speculation); None = all
+    ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
+        x = self.w["model.embed_tokens.weight"][tokens]  # [num_tokens, hidden]
+        for layer in range(num_layers if num_layers is not None else self.num_layers):
+            x = self._block(layer, x, positions, kv, meta)
+        return rms_norm(x, self.w["model.norm.weight"], self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] in float32."""
+        return linear(hidden, self.lm_head).float()
+
+    def _block(self, layer, x, positions, kv, meta) -> torch.Tensor:
+        c, p = self.config, f"model.layers.{layer}."
+        w = self.w
+        h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        q = linear(h, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
+        k = linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
+        v = linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+        n = x.shape[0]
+        q = self.rotary.apply(q.view(n, c.num_heads, c.head_dim), positions)
+        k = self.rotary.apply(k.view(n, c.num_kv_heads, c.head_dim), positions)
+        v = v.view(n, c.num_kv_heads, c.head_dim)
+        attn = self._attention(layer, q, k, v, kv, meta)  # [n, heads * head_dim]
+        x = x + linear(attn, w[p + "self_attn.o_proj.weight"])
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        gate = linear(h, w[p + "mlp.gate_proj.weight"])
+        up = linear(h, w[p + "mlp.up_proj.weight"])
+        return x + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+
+    def _attention(self, layer, q, k, v, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """q [n, heads, d], k/v [n, kv_heads, d] -> [n, heads * d]. One sequence at a time.
+
+        Softmax and probs @ values reduce over the keys, and a float32 reduction's rounding
+        depends on its length. A chain's token j therefore attends over exactly its own
+        ctx + j + 1 keys, as it would when decoded alone; only long prefills (which plain and
+        speculative decoding share) and token trees take one masked matmul for all rows."""
+        out = []
+        start = 0
+        for i, (slot, ctx, qlen) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)):
+            end = start + qlen
+            kv.write(layer, slot, ctx, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
+            keys, values = kv.read(layer, slot, ctx + qlen)  # [kv_heads, L, d]
+            keys, values = keys.float(), values.float()
+            tree = meta.masks is not None and meta.masks[i] is not None
+            if tree or qlen > MAX_ROW_BY_ROW:
+                out.append(self._attend(q[start:end], keys, values, self._mask(meta, i, ctx, qlen, q.device)))
+            else:
+                for j in range(qlen):
+                    L = ctx + j + 1
+                    out.append(self._attend(q[start + j : start + j + 1], keys[:, :L], values[:, :L], None))
+            start = end
+        return torch.cat(out).to(q.dtype)
+
+    def _attend(self, q, keys, values, mask) -> torch.Tensor:
+        """q [m, heads, d]; keys/values [kv_heads, L, d] float32; mask [m, L] or None -> [m, heads*d]."""
+        c = self.config
+        m, group = q.shape[0], c.num_heads // c.num_kv_heads
+        # the queries that share one kv head, stacked as rows: [kv_heads, group * m, d]
+        qs = q.float().view(m, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
+        qs = qs.reshape(c.num_kv_heads, group * m, c.head_dim)
+        rows = group * m
+        scores = _bmm_rows(qs, keys.transpose(1, 2)) * self.scale  # [kv_heads, group * m, L]
+        if mask is not None:
+            scores = scores.view(c.num_kv_heads, group, m, -1).masked_fill(~mask, float("-inf"))
+            scores = scores.view(c.num_kv_heads, rows, -1)
+        o = _bmm_rows(torch.softmax(scores, dim=-1), values)  # [kv_heads, group * m, d]
+        o = o.view(c.num_kv_heads, group, m, c.head_dim).permute(2, 0, 1, 3)
+        return o.reshape(m, c.num_heads * c.head_dim)
+
+    @staticmethod
+    def _mask(meta: AttentionMetadata, i: int, ctx: int, qlen: int, device) -> torch.Tensor:
+        """[qlen, ctx + qlen] bool, True = may attend: all cached tokens, then the new-token mask."""
+        new = meta.masks[i] if meta.masks is not None and meta.masks[i] is not None else None
+        if new is None:
+            new = torch.ones(qlen, qlen, dtype=torch.bool, device=device).tril()
+        return torch.cat([torch.ones(qlen, ctx, dtype=torch.bool, device=device), new.to(device)], dim=1)
