@@ -23,26 +23,11 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("KV cache has no free slot")
-        return self._free.pop()
-
-    def free(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.num_slots:
-            raise RuntimeError(f"KV slot {slot} freed twice or out of range")
-        self._free.append(slot)
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_kv_heads, n, head_dim] for positions start .. start+n-1 of ``slot``."""

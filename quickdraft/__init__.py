@@ -1,0 +1,7 @@
+"""quickdraft: lossless speculative decoding for llama / qwen2 models, on CPU or GPU."""
+
+from quickdraft.llm import LLM
+from quickdraft.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]

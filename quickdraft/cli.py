@@ -1,0 +1,128 @@
+"""``quickdraft generate | models | serve | bench``: flags named like ``vllm serve``'s where they exist.
+
+A mistake of the user's (a QuickdraftError) prints one clear line and exits with code 2; only a
+bug shows a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from quickdraft.errors import QuickdraftError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and speculative flags shared by generate, serve and bench."""
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a built-in name (see `quickdraft models`), a .gguf file or a Hugging Face directory")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model')
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _generate(args) -> int:
+    from quickdraft import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    llm = LLM(args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, max_num_seqs=1)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    out = llm.generate([llm.tokenizer.encode(prompt)], params)[0]
+    report = summarize(out, llm.engine.config.speculative)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(out.text)
+        s = report["spec"]
+        print(
+            f"\n[{report['num_generated_tokens']} tokens in {report['seconds']:.2f}s, "
+            f"{report['tokens_per_second']:.2f} tok/s | {s['method']} K={s['num_speculative_tokens']}: "
+            f"{s['num_target_passes']} target passes, accepted {s['num_accepted_tokens']}/{s['num_draft_tokens']} "
+            f"({s['acceptance_rate']:.0%}), {s['mean_accepted_length']:.2f} tokens/pass]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def summarize(out, spec) -> dict:
+    """The JSON report of one request. ``seconds`` runs from the first token (the prompt pass
+    emits it) to the last, so tokens_per_second counts the tokens after the first."""
+    seconds = (out.finish_time or time.perf_counter()) - (out.first_token_time or out.arrival_time)
+    n = len(out.token_ids)
+    stats = out.spec.to_dict()
+    return {
+        "text": out.text, "token_ids": out.token_ids, "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_generated_tokens": n, "finish_reason": out.finish_reason, "seconds": seconds,
+        "tokens_per_second": (n - 1) / seconds if n > 1 and seconds > 0 else 0.0,
+        "spec": {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens if spec.enabled else 0,
+                 **stats},
+    }
+
+
+def _models(args) -> int:
+    from quickdraft.models.registry import list_models
+
+    rows = list_models()
+    print(f"{'name':32} {'installed':10} {'size':>10}  packages")
+    for r in rows:
+        size = f"{r.size / 2**20:.0f} MiB" if r.size else "-"
+        pkgs = r.packages[0] if len(r.packages) == 1 else f"{r.packages[0]} .. {r.packages[-1]} ({len(r.packages)})"
+        print(f"{r.name:32} {'yes' if r.installed else 'no':10} {size:>10}  {pkgs}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quickdraft", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("prompt")
+    add_model_args(g)
+    add_sampling_args(g)
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_generate)
+
+    m = sub.add_parser("models", help="list the built-in models")
+    m.set_defaults(func=_models)
+
+    for name, module in (("serve", "quickdraft.server.cli"), ("bench", "quickdraft.bench.cli")):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except QuickdraftError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

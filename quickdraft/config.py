@@ -1,0 +1,96 @@
+"""Engine and speculative-decoding configuration: frozen dataclasses.
+
+``SpeculativeConfig.parse`` reads the JSON of vLLM's ``--speculative-config`` flag (the same keys
+where they exist) and names the valid keys when it meets an unknown one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+from quickdraft.errors import ConfigError
+
+METHODS = ("none", "ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "none"
+    model: str | None = None  # the draft model (draft_model): a built-in name or a path
+    num_speculative_tokens: int = 4  # K: draft tokens proposed per sequence per step
+    prompt_lookup_max: int = 4  # ngram: longest n-gram matched
+    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched
+    # Speculation turns off for a step whose running batch has at least this many sequences:
+    # verification stops being nearly free once the batch fills the matrix units (vLLM's
+    # speculative disable_by_batch_size). None: never.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown speculative method {self.method!r}; valid: {', '.join(METHODS)}", "method")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ConfigError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}", "num_speculative_tokens")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError('method "draft_model" needs "model": the draft model name or path', "model")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ConfigError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}", "prompt_lookup_min"
+            )
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or b < 1):
+            raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {b!r}", "disable_by_batch_size")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig":
+        """From a JSON string, a dict, an instance or None (= method "none")."""
+        if value is None:
+            return cls()
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"the speculative config must be a JSON object, got {type(value).__name__}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(valid))
+        if unknown:
+            raise ConfigError(f"unknown speculative config key(s) {unknown}; valid keys: {', '.join(valid)}")
+        return cls(**value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's context length, capped at 4096
+    max_num_seqs: int = 8  # sequences decoding at once (KV-cache slots)
+    max_queue: int = 64  # requests waiting for a slot before new ones are refused
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", "dtype")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}", "max_num_seqs")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len!r}", "max_model_len")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]

@@ -1,0 +1,157 @@
+"""The engine: requests in, one speculative step at a time, outputs out.
+
+``step`` reads like the data path in ARCHITECTURE.md: schedule, run, postprocess. Each request
+has its own sampling parameters, its own generator (seeded by its seed), its own K and its own
+stop conditions; the batch around it changes nothing in its tokens (see models/decoder.py on batch
+invariance).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from quickdraft.config import EngineConfig
+from quickdraft.engine.runner import Runner, StepResult
+from quickdraft.engine.scheduler import Scheduler
+from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
+from quickdraft.errors import ConfigError, PromptTooLongError
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.decoder import Decoder
+from quickdraft.models.loader import LoadedModel, load_model
+from quickdraft.proposers.base import ProposerContext, create_proposer
+from quickdraft.sampling import SamplingParams, make_generator
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, target: LoadedModel | None = None):
+        self.config = config
+        dtype = config.torch_dtype
+        self.model = target if target is not None else load_model(config.model, dtype, config.device)
+        self.tokenizer = self.model.tokenizer
+        self.decoder = Decoder(self.model.config, self.model.weights)
+        ctx_len = self.model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or min(ctx_len, DEFAULT_MAX_MODEL_LEN), ctx_len)
+        self.kv = KVCache(self.model.config, config.max_num_seqs, self.max_model_len, dtype, config.device)
+        ctx = ProposerContext(
+            target=self.model, dtype=dtype, device=config.device, num_slots=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            load_model=lambda m: m if isinstance(m, LoadedModel) else load_model(m, dtype, config.device),
+        )
+        self.proposer = create_proposer(config.speculative, ctx)
+        self.runner = Runner(self.decoder, self.kv, self.proposer)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_queue)
+        self.stats = SpecStats()  # the whole run's counters
+        self._ids = itertools.count()
+        self.eos_token_ids = set(self.model.config.eos_token_ids)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not prompt_token_ids:
+            raise ConfigError("the prompt is empty", "prompt")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ConfigError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the context holds {self.max_model_len}: "
+                "no room is left to generate", "prompt",
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(request_id, list(prompt_token_ids), params, make_generator(params.seed, "cpu"))
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now (a client went away): its KV slot is free before this returns."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return None
+        seq.finish("abort")
+        self._release(seq)
+        return seq.to_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One target pass for every running sequence; the outputs of those that advanced."""
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        results = self.runner.step(seqs, self._num_draft(seqs))
+        return [self._postprocess(r) for r in results]
+
+    def _num_draft(self, seqs: list[Sequence]) -> list[int]:
+        """K for each sequence this step: none on its prompt pass, none when the batch is large
+        enough that verification is no longer nearly free, and never more than it can use."""
+        spec = self.config.speculative
+        if not spec.enabled or (spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size):
+            return [0] * len(seqs)
+        ks = []
+        for s in seqs:
+            if len(s.pending_token_ids) != 1:
+                ks.append(0)
+                continue
+            room = min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) - 1
+            ks.append(max(0, min(spec.num_speculative_tokens, room)))
+        return ks
+
+    def _postprocess(self, r: StepResult) -> RequestOutput:
+        seq = r.seq
+        if r.error is not None:
+            seq.finish("error", r.error)
+            self._release(seq)
+            return seq.to_output()
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        emitted = 0
+        for token in r.token_ids:
+            emitted += 1
+            if self._append(seq, token):
+                break
+        if seq.finish_reason != "stop" or not seq.params.stop:
+            seq.text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""
+        seq.spec.record(r.num_drafts, r.num_accepted, emitted)
+        self.stats.record(r.num_drafts, r.num_accepted, emitted)
+        if seq.finished:
+            self._release(seq)
+        return seq.to_output()
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Add one token and apply the stop rules in plain decoding's order; True = finished."""
+        p = seq.params
+        if token in self.eos_token_ids and not p.ignore_eos:
+            seq.finish("stop")
+            return True
+        seq.output_token_ids.append(token)
+        if p.stop:
+            seq.text = self.tokenizer.decode(seq.output_token_ids)
+            hit = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                seq.text = seq.text[:hit]
+                seq.finish("stop")
+                return True
+        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish("length")
+            return True
+        return False
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if seq.slot is not None:
+            self.proposer.release(seq)
+
+    def generate_ids(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts as one batch to completion; outputs in prompt order."""
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+

@@ -1,0 +1,105 @@
+"""One speculative step over a batch: propose, score every candidate in one target pass, verify.
+
+For sequence i the target is fed its pending tokens (the whole prompt on its first step, then the
+one token emitted last step) followed by its K_i draft tokens, in one ragged pass with every other
+sequence. The last K_i + 1 rows of each sequence's chunk are the rows the verifier needs: row j
+scores the token after draft token j - 1. After verification the sequence's cached length moves to
+cover the pending tokens and the accepted drafts; the rejected drafts' keys stay in the cache as
+garbage that the next pass overwrites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.engine.sequence import Sequence
+from quickdraft.proposers.base import DraftProposal, Proposer
+from quickdraft.sampling import BatchSampling, draw_uniforms
+from quickdraft.verify.rejection import VerifyOutput, verify
+
+
+@dataclass
+class StepResult:
+    seq: Sequence
+    token_ids: list[int]  # accepted drafts + one recovered or bonus token (empty on error)
+    num_drafts: int
+    num_accepted: int
+    error: str | None = None
+
+
+class Runner:
+    def __init__(self, target: Decoder, kv: KVCache, proposer: Proposer):
+        self.target, self.kv, self.proposer = target, kv, proposer
+
+    def step(self, seqs: list[Sequence], num_draft: list[int]) -> list[StepResult]:
+        """num_draft [batch]: the most draft tokens each sequence may take this step."""
+        deciding = [i for i, s in enumerate(seqs) if num_draft[i] > 0]
+        proposal = self._propose(seqs, num_draft, deciding)
+        logits = self._score(seqs, proposal)  # [num_draft_tokens + batch, V]
+        ok = self._finite_rows(logits, proposal.num_tokens)  # [batch] bool
+        outcome = verify(
+            proposal.token_ids.to(logits.device), proposal.num_tokens, logits,
+            None if proposal.probs is None else proposal.probs.to(logits.device),
+            BatchSampling.from_params([s.params for s in seqs], logits.device),
+            self._uniforms(seqs, proposal.num_tokens).to(logits.device),
+        )
+        self.proposer.observe(seqs, outcome)
+        return self._commit(seqs, proposal, outcome, ok)
+
+    def _propose(self, seqs, num_draft, deciding) -> DraftProposal:
+        if not deciding:
+            return DraftProposal.empty(len(seqs))
+        # Only sequences past their prompt pass are drafted for; the others get zero tokens.
+        return self.proposer.propose(seqs, num_draft)
+
+    def _score(self, seqs: list[Sequence], proposal: DraftProposal) -> torch.Tensor:
+        drafts = proposal.token_ids.tolist()
+        chunks, offset = [], 0
+        for s, k in zip(seqs, proposal.num_tokens):
+            chunks.append(s.pending_token_ids + drafts[offset : offset + k])
+            offset += k
+        meta = AttentionMetadata.chain([s.slot for s in seqs], [s.num_cached for s in seqs], [len(c) for c in chunks])
+        device = self.target.device
+        tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+        hidden = self.target.forward(tokens, meta.positions(device), self.kv, meta)  # [num_tokens, hidden]
+        ends = torch.tensor(meta.query_lens).cumsum(0)
+        rows = torch.cat([torch.arange(e - k - 1, e) for e, k in zip(ends.tolist(), proposal.num_tokens)])
+        return self.target.logits(hidden[rows.to(device)])
+
+    @staticmethod
+    def _finite_rows(logits: torch.Tensor, num_tokens: list[int]) -> list[bool]:
+        """A sequence whose logits hold a NaN or inf fails alone; its rows are zeroed for verify."""
+        finite = torch.isfinite(logits).all(-1)  # [rows]
+        ok, start = [], 0
+        for k in num_tokens:
+            good = bool(finite[start : start + k + 1].all())
+            if not good:
+                logits[start : start + k + 1] = 0.0
+            ok.append(good)
+            start += k + 1
+        return ok
+
+    @staticmethod
+    def _uniforms(seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
+        """[num_draft_tokens + batch] float64: K_i acceptance coins and one final draw each.
+        Greedy sequences draw nothing, so their generators stay untouched."""
+        parts = [
+            torch.zeros(k + 1, dtype=torch.float64) if s.params.greedy else draw_uniforms(s.generator, k + 1).cpu()
+            for s, k in zip(seqs, num_tokens)
+        ]
+        return torch.cat(parts)
+
+    @staticmethod
+    def _commit(seqs, proposal, outcome: VerifyOutput, ok) -> list[StepResult]:
+        results = []
+        for s, k, tokens, accepted, good in zip(seqs, proposal.num_tokens, outcome.token_ids, outcome.num_accepted, ok):
+            if not good:
+                results.append(StepResult(s, [], k, 0, "the model produced non-finite logits (NaN or inf)"))
+                continue
+            s.num_cached += len(s.pending_token_ids) + accepted
+            results.append(StepResult(s, list(tokens), k, accepted))
+        return results

@@ -1,0 +1,149 @@
+"""One request's state while it decodes, its speculative counters, and what the engine reports."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quickdraft.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Counters of one request (or, summed, of a run).
+
+    A *target pass* is one forward pass of the target over this sequence's new tokens (the prompt
+    pass included); every pass emits at least one token, so ``mean_accepted_length`` (tokens per
+    target pass, the bonus or recovered token counted) is 1.0 for plain decoding."""
+
+    num_target_passes: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    drafts_per_position: list[int] = field(default_factory=list)  # [K] passes with a draft at position j
+    accepted_per_position: list[int] = field(default_factory=list)  # [K] of those, accepted
+
+    def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_target_passes += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+        grow = num_drafts - len(self.drafts_per_position)
+        if grow > 0:
+            self.drafts_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(num_drafts):
+            self.drafts_per_position[j] += 1
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        for j in range(len(other.drafts_per_position)):
+            if j >= len(self.drafts_per_position):
+                self.drafts_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.drafts_per_position[j] += other.drafts_per_position[j]
+            self.accepted_per_position[j] += other.accepted_per_position[j]
+        self.num_target_passes += other.num_target_passes
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.num_emitted_tokens / self.num_target_passes if self.num_target_passes else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_target_passes": self.num_target_passes,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_per_position": [
+                a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)
+            ],
+        }
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far; ``new_token_ids`` are those of the latest step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    spec: SpecStats
+    error: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_cached: int = 0  # tokens of token_ids whose keys/values are in the target's cache
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    _reported: int = 0  # output tokens already handed out in a RequestOutput
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def pending_token_ids(self) -> list[int]:
+        """Tokens the target has not seen yet: the prompt at first, then the last emitted token."""
+        return self.token_ids[self.num_cached :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.perf_counter()
+
+    def to_output(self) -> RequestOutput:
+        new = self.output_token_ids[self._reported :]
+        self._reported = len(self.output_token_ids)
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids), new_token_ids=new, text=self.text,
+            finished=self.finished, finish_reason=self.finish_reason, spec=self.spec, error=self.error,
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=self.finish_time,
+        )

@@ -1,0 +1,47 @@
+"""``LLM``: the offline Python API, shaped like vLLM's.
+
+    from quickdraft import LLM, SamplingParams
+    llm = LLM("qwen2.5-coder-1.5b-instruct",
+              speculative_config={"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct",
+                                  "num_speculative_tokens": 4})
+    outputs = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=64, temperature=0))
+"""
+
+from __future__ import annotations
+
+from quickdraft.config import EngineConfig, SpeculativeConfig
+from quickdraft.engine.engine import Engine
+from quickdraft.engine.sequence import RequestOutput
+from quickdraft.models.loader import LoadedModel
+from quickdraft.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: "str | LoadedModel", speculative_config: "dict | str | SpeculativeConfig | None" = None,
+                 dtype: str = "bfloat16", device: str = "cpu", max_model_len: int | None = None,
+                 max_num_seqs: int = 8):
+        name = model if isinstance(model, str) else model.source
+        config = EngineConfig(
+            model=name, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_queue=1 << 30, speculative=SpeculativeConfig.parse(speculative_config),
+        )
+        self.engine = Engine(config, target=None if isinstance(model, str) else model)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: "str | list[str] | list[list[int]]",
+                 sampling_params: "SamplingParams | list[SamplingParams] | None" = None) -> list[RequestOutput]:
+        """Prompts (text, or token ids) run together as one batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(ids)
+        return self.engine.generate_ids(ids, params)
+
+    def chat(self, messages: "list[dict] | list[list[dict]]",
+             sampling_params: "SamplingParams | list[SamplingParams] | None" = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or several, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate([self.tokenizer.encode(p) for p in prompts], sampling_params)

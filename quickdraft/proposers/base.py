@@ -1,0 +1,77 @@
+"""The Proposer protocol and the registry that picks one by method name.
+
+A proposer guesses up to K tokens for each running sequence (``propose``) and hears how many the
+verifier kept (``observe``), like Hugging Face's ``CandidateGenerator`` (``get_candidates``,
+``update_candidate_strategy``). The engine never asks which proposer it holds: a method is a name
+in ``REGISTRY`` and a class with ``from_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+
+from quickdraft.errors import ConfigError
+
+if TYPE_CHECKING:
+    from quickdraft.config import SpeculativeConfig
+    from quickdraft.engine.sequence import Sequence
+    from quickdraft.models.loader import LoadedModel
+    from quickdraft.verify.rejection import VerifyOutput
+
+
+@dataclass
+class DraftProposal:
+    token_ids: torch.Tensor  # [num_draft_tokens] int64, sequences' drafts concatenated
+    num_tokens: list[int]  # [batch] draft tokens of each sequence (0 allowed)
+    probs: torch.Tensor | None  # [num_draft_tokens, vocab] the draft's q; None = point-mass drafts
+
+    @classmethod
+    def empty(cls, batch: int, device="cpu") -> "DraftProposal":
+        return cls(torch.zeros(0, dtype=torch.long, device=device), [0] * batch, None)
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may need from the engine to build itself; each takes only its part."""
+
+    target: "LoadedModel"
+    dtype: torch.dtype
+    device: str
+    num_slots: int  # KV-cache slots: sequences are identified by Sequence.slot
+    max_model_len: int
+    load_model: Callable[[str], "LoadedModel"]  # name or path -> model in the engine's dtype
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list["Sequence"], num_tokens: list[int]) -> DraftProposal:
+        """At most ``num_tokens[i]`` draft tokens for each sequence (fewer is allowed)."""
+
+    def observe(self, seqs: list["Sequence"], outcome: "VerifyOutput") -> None:
+        """Called after verification, before the sequences grow by ``outcome.token_ids``."""
+
+    def release(self, seq: "Sequence") -> None:
+        """The sequence finished or was aborted: drop its state."""
+
+
+REGISTRY: dict[str, type] = {}
+
+
+def register(name: str):
+    def wrap(cls):
+        REGISTRY[name] = cls
+        cls.method = name
+        return cls
+
+    return wrap
+
+
+def create_proposer(spec: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
+    # Importing the modules fills REGISTRY; they only define classes.
+    from quickdraft.proposers import draft_model, ngram, none  # noqa: F401
+
+    if spec.method not in REGISTRY:
+        raise ConfigError(f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[spec.method].from_config(spec, ctx)

@@ -1,0 +1,100 @@
+"""Method "draft_model": a smaller model of the same family, with its own KV cache, proposes K
+tokens by decoding autoregressively (Leviathan et al. 2023; Chen et al. 2023).
+
+It samples from its own distribution q under the request's sampling parameters (argmax when
+greedy) and hands q on, so that the verifier's min(1, p/q) rule keeps the output distribution the
+target's. The draft's cache is indexed by the same slot as the target's. ``_cached[slot]`` counts
+the sequence's tokens whose keys are in the draft cache; a pass feeds it everything after that, so
+after a rejection (or after the bonus token) the draft catches up in the first pass of the next
+proposal, with no copy and no recomputation of what it already holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.errors import ConfigError
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.proposers.base import DraftProposal, register
+from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
+
+
+@register("draft_model")
+class DraftModelProposer:
+    def __init__(self, draft: Decoder, num_slots: int, max_len: int):
+        self.model = draft
+        self.kv = KVCache(draft.config, num_slots, max_len, draft.dtype, draft.device)
+        self._cached = [0] * num_slots
+
+    @classmethod
+    def from_config(cls, spec, ctx) -> "DraftModelProposer":
+        draft = ctx.load_model(spec.model)
+        check_same_vocabulary(ctx.target, draft)
+        return cls(Decoder(draft.config, draft.weights), ctx.num_slots, ctx.max_model_len)
+
+    def propose(self, seqs, num_tokens) -> DraftProposal:
+        active = [i for i, k in enumerate(num_tokens) if k > 0]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        sampled = any(not seqs[i].params.greedy for i in active)
+        feed = {i: seqs[i].token_ids[self._cached[seqs[i].slot] :] for i in active}
+        for step in range(max(num_tokens, default=0)):
+            active = [i for i in active if num_tokens[i] > step]
+            if not active:
+                break
+            logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), V]
+            tokens, q = self._sample([seqs[i] for i in active], logits, sampled)
+            for row, i in enumerate(active):
+                drafts[i].append(int(tokens[row]))
+                if q is not None:
+                    probs[i].append(q[row])
+                feed[i] = [int(tokens[row])]
+        flat = [t for d in drafts for t in d]
+        q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
+        return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
+
+    def _forward(self, seqs, feeds: list[list[int]]) -> torch.Tensor:
+        """Run the draft over each sequence's unseen tokens; logits of each one's last row."""
+        slots = [s.slot for s in seqs]
+        ctx = [self._cached[slot] for slot in slots]
+        meta = AttentionMetadata.chain(slots, ctx, [len(f) for f in feeds])
+        tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.model.device)
+        hidden = self.model.forward(tokens, meta.positions(self.model.device), self.kv, meta)
+        last = torch.tensor(meta.query_lens).cumsum(0) - 1
+        for slot, f in zip(slots, feeds):
+            self._cached[slot] += len(f)
+        return self.model.logits(hidden[last.to(hidden.device)])
+
+    def _sample(self, seqs, logits, sampled: bool):
+        """-> token ids [n], and q [n, V] when any sequence of the batch samples."""
+        if not sampled:
+            return logits.argmax(-1), None
+        batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
+        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+        uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
+        tokens = torch.where(batch.greedy, logits.argmax(-1), sample_from_probs(q, uniforms))
+        return tokens, q
+
+    def observe(self, seqs, outcome) -> None:
+        # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.
+        for s, accepted in zip(seqs, outcome.num_accepted):
+            self._cached[s.slot] = min(self._cached[s.slot], len(s) + accepted)
+
+    def release(self, seq) -> None:
+        self._cached[seq.slot] = 0
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """A draft must speak the target's token ids, or its proposals mean nothing."""
+    t, d = target.tokenizer, draft.tokenizer
+    if target.config.vocab_size != draft.config.vocab_size or _vocab(t) != _vocab(d):
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.config.vocab_size} tokens, {draft.source}) differs from "
+            f"the target's ({target.config.vocab_size} tokens, {target.source}); a draft must share the "
+            "target's tokenizer", "model",
+        )
+
+
+def _vocab(tokenizer) -> list | None:
+    return None if tokenizer is None else [tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)]

@@ -1,0 +1,111 @@
+"""End to end on a tiny random model, float32: speculative greedy output equals plain greedy output
+token for token, with a draft that always agrees, one that never agrees, and one in between; for
+single requests and for ragged batches. Exact equality, no tolerance: the decoder is batch
+invariant (models/decoder.py), so a verification pass rounds exactly like single-token passes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from quickdraft.config import EngineConfig, SpeculativeConfig
+from quickdraft.engine.engine import Engine
+from quickdraft.models.loader import LoadedModel
+from quickdraft.models.tiny import random_weights, tiny_config
+from quickdraft.sampling import SamplingParams
+
+CONFIG = tiny_config("qwen2", vocab_size=96, hidden_size=64, num_layers=2)
+TARGET = LoadedModel(CONFIG, random_weights(CONFIG, seed=1, scale=2.0), None, "tiny-target")
+PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47, 1, 2, 3], [7]]
+
+
+def _derange_head(model: LoadedModel) -> LoadedModel:
+    """The target with an untied output head whose rows are rotated by one: the draft's argmax is
+    always the target's argmax + 1, so its first draft token is always rejected."""
+    w = dict(model.weights)
+    cfg = dataclasses.replace(model.config, tie_word_embeddings=False)
+    w["lm_head.weight"] = torch.roll(model.weights["model.embed_tokens.weight"], shifts=1, dims=0)
+    return LoadedModel(cfg, w, None, "tiny-never")
+
+
+def _noisy(model: LoadedModel, noise: float, seed: int) -> LoadedModel:
+    g = torch.Generator().manual_seed(seed)
+    w = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in model.weights.items()}
+    return LoadedModel(model.config, w, None, "tiny-noisy")
+
+
+DRAFTS = {"always": TARGET, "never": _derange_head(TARGET), "between": _noisy(TARGET, 0.6, seed=3)}
+
+
+def run(spec: dict | None, prompts, params, max_num_seqs=4):
+    config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=max_num_seqs,
+                          speculative=SpeculativeConfig.parse(spec))
+    engine = Engine(config, target=TARGET)
+    outs = engine.generate_ids(prompts, params)
+    return outs, engine.stats
+
+
+@pytest.fixture(scope="module")
+def plain():
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    return [o.token_ids for o in run(None, PROMPTS, params)[0]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["always", "never", "between"])
+def test_draft_model_greedy_equals_plain(plain, kind, k):
+    spec = {"method": "draft_model", "model": DRAFTS[kind], "num_speculative_tokens": k}
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    outs, stats = run(spec, PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    rate = stats.acceptance_rate
+    if kind == "always":
+        assert rate == 1.0
+        # every decoding pass but those near max_tokens emits K + 1 tokens
+        assert stats.mean_accepted_length > 1 + 0.6 * k
+    elif kind == "never":
+        assert stats.num_accepted_tokens == 0 and stats.num_draft_tokens > 0
+    else:
+        assert 0.0 < rate < 1.0
+
+
+def test_batch_composition_changes_nothing(plain):
+    """Each prompt alone, and all together with other lengths and limits, give the same tokens."""
+    alone = [run(None, [p], [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)])[0][0].token_ids
+             for p in PROMPTS]
+    assert alone == plain
+    spec = {"method": "draft_model", "model": DRAFTS["between"], "num_speculative_tokens": 4}
+    mixed = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (24, 9, 17)]
+    outs, _ = run(spec, PROMPTS, mixed, max_num_seqs=2)  # 3 prompts through 2 slots: one waits
+    assert [o.token_ids for o in outs] == [plain[0], plain[1][:9], plain[2][:17]]
+
+
+def test_ngram_greedy_equals_plain(plain):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    outs, stats = run(spec, PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    assert stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "draft_model", "model": DRAFTS["between"], "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 3}])
+def test_seeded_sampling_is_reproducible(spec):
+    params = [SamplingParams(max_tokens=20, temperature=4.0, top_p=0.95, seed=s) for s in (1, 2, 1)]
+    a = [o.token_ids for o in run(spec, PROMPTS[:1] * 3, params)[0]]
+    b = [o.token_ids for o in run(spec, PROMPTS[:1] * 3, params)[0]]
+    assert a == b
+    assert a[0] == a[2]  # same seed, same tokens, whatever else is in the batch
+    assert a[0] != a[1]
+
+
+def test_stats_count_passes_and_positions():
+    spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3}
+    outs, stats = run(spec, [PROMPTS[0]], [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)])
+    s = outs[0].spec
+    # prompt pass emits 1 token; then passes of K + 1 = 4 tokens: 1 + 4 + 4 = 9 tokens in 3 passes
+    assert (s.num_target_passes, s.num_draft_tokens, s.num_accepted_tokens) == (3, 6, 6)
+    assert s.accepted_per_position == [2, 2, 2] and s.drafts_per_position == [2, 2, 2]
+    assert s.mean_accepted_length == 3.0
