@@ -2,11 +2,19 @@
 
 Temperature, top-k and top-p shape the target's distribution p and the draft's distribution q in
 exactly the same way, so that the verifier's min(1, p/q) compares like with like.
+
+Every random draw is a function of explicit uniforms in [0, 1) (``sample_from_probs``): a request's
+own ``torch.Generator`` (``make_generator``) produces them (``draw_uniforms``), and the verifier
+only consumes them. That is what makes seeded runs reproducible and lets tests replay a draw.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
 
 from quickdraft.errors import ConfigError
 
@@ -45,3 +53,154 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class BatchSampling:
+    """The sampling parameters of a batch as tensors, one row per sequence (or per target row,
+    after ``select``). Same meanings as ``SamplingParams``."""
+
+    temperature: Tensor  # [batch] float32, 0 = greedy
+    top_k: Tensor  # [batch] int64, <= 0 = off
+    top_p: Tensor  # [batch] float32, 1 = off
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
+        return cls(
+            temperature=torch.tensor([float(s.temperature) for s in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([int(s.top_k) for s in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([float(s.top_p) for s in params], dtype=torch.float32, device=device),
+        )
+
+    @property
+    def greedy(self) -> Tensor:  # [batch] bool
+        return self.temperature == 0
+
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
+
+    def to(self, device: torch.device | str) -> BatchSampling:
+        return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
+
+    def select(self, index: Tensor) -> BatchSampling:
+        """The rows ``index`` ([n] int64), e.g. each sequence's row repeated for its K + 1 positions."""
+        return BatchSampling(self.temperature[index], self.top_k[index], self.top_p[index])
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Shaped probabilities [N, V] float32 from ``logits`` [N, V] (any float dtype; computed in
+    float32) with per-row ``temperature`` [N], ``top_k`` [N] and ``top_p`` [N].
+
+    Order: divide by temperature, keep the top-k, then keep the top-p nucleus of what is left
+    (the smallest set of highest tokens whose mass is >= top_p; ties at a cut-off are kept, see
+    ``_top_k_top_p``), softmax. Rows with temperature 0 are greedy: a one-hot at the argmax (lowest
+    id on ties). V can be 151936 and this runs for every token: without filtering rows there is no
+    sort at all, with them a partial one (torch.topk), a full sort only where that is too narrow.
+    """
+    logits = logits.float()  # [N, V]
+    greedy = temperature == 0  # [N]
+    if bool(greedy.all()):
+        return _one_hot_argmax(logits)
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)  # [N, V]
+    vocab = logits.shape[-1]
+    filtered = ~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))  # [N]
+    if bool(filtered.all()):
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    elif bool(filtered.any()):
+        rows = filtered.nonzero().squeeze(1)  # [M]
+        scaled[rows] = _top_k_top_p(scaled[rows], top_k[rows], top_p[rows])
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    if bool(greedy.any()):
+        probs = torch.where(greedy.unsqueeze(1), _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: Tensor) -> Tensor:
+    """[N, V] float32 one-hot at each row's argmax of ``logits`` [N, V] (lowest id on ties)."""
+    return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+# The top-k set and the top-p nucleus are first looked for among the highest logits only (a
+# partial sort, torch.topk): top_k + 1 of them for top-k rows, this many for rows with top-p alone.
+# Only rows whose set may reach past the candidates (ties at the edge, or a nucleus that the
+# candidates' mass does not cover) pay for a full sort of the vocabulary.
+_CANDIDATES = 1024
+
+
+def _top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """``scaled`` [M, V] with every token below its row's cut-off value set to -inf.
+
+    The top-k cut-off is the k-th highest value; the top-p cut-off is the value of the last token
+    of the nucleus, the shortest descending prefix (after the top-k cut, renormalized) whose mass
+    is >= top_p, so the top token always stays. A token tied with a cut-off value is kept (as HF's
+    and vLLM's top-k do): the kept set then depends on the values only, never on how a sort orders
+    equal ones, and ties make it at most larger.
+    """
+    vocab = scaled.shape[-1]
+    k_on = (top_k > 0) & (top_k < vocab)  # [M]
+    width = min(vocab, int(torch.where(k_on, top_k + 1, _CANDIDATES).max()))
+    cutoff, too_narrow = _cutoffs(scaled, top_k, top_p, width)  # [M] each
+    if bool(too_narrow.any()):
+        rows = too_narrow.nonzero().squeeze(1)  # [W]
+        cutoff[rows] = _cutoffs(scaled[rows], top_k[rows], top_p[rows], vocab)[0]
+    return scaled.masked_fill(scaled < cutoff.unsqueeze(1), float("-inf"))
+
+
+def _cutoffs(scaled: Tensor, top_k: Tensor, top_p: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Per row, the smallest value kept [M] float32, and whether ``width`` candidates were too few
+    to know it [M] bool (never at width == V)."""
+    vocab = scaled.shape[-1]
+    if width == vocab:
+        values = scaled.sort(dim=-1, descending=True).values  # [M, V]
+    else:
+        values = scaled.topk(width, dim=-1).values  # [M, width], descending
+    k_on = (top_k > 0) & (top_k < vocab)  # [M]
+    kth = values.gather(1, (top_k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)  # [M]
+    kth = torch.where(k_on, kth, float("-inf"))
+    # Candidate masses after the top-k cut, renormalized: over the top-k set, which lies among the
+    # candidates unless its ties reach past them (too narrow then), else over the whole vocabulary.
+    cut = values < kth.unsqueeze(1)  # [M, width]
+    log_total = torch.logsumexp(values.masked_fill(cut, float("-inf")), dim=-1)  # [M]
+    if not bool(k_on.all()):
+        log_total = torch.where(k_on, log_total, torch.logsumexp(scaled, dim=-1))
+    mass = (values - log_total.unsqueeze(1)).exp().masked_fill(cut, 0.0).double()  # [M, width]
+    cumulative = mass.cumsum(dim=-1)  # [M, width]
+    before = torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative[:, :-1]], dim=-1)  # [M, width]
+    p_on = top_p < 1  # [M]
+    in_nucleus = before < top_p.double().unsqueeze(1)  # [M, width]
+    last = values.gather(1, (in_nucleus.sum(-1) - 1).unsqueeze(1)).squeeze(1)  # [M]
+    cutoff = torch.maximum(kth, torch.where(p_on, last, float("-inf")))  # [M]
+    too_narrow = (k_on & (values[:, -1] >= kth)) | (p_on & (cumulative[:, -1] < top_p.double()))
+    return cutoff, too_narrow & (width < vocab)
+
+
+def sample_from_probs(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Token ids [N] int64 drawn from ``probs`` [N, V] by inverse CDF with ``uniforms`` [N] float64
+    in [0, 1): the first token whose cumulative mass exceeds u * total.
+
+    ``probs`` need not be normalized (the draw is proportional to it, which is how
+    normalize(max(0, p - q)) is sampled without a division), but each row needs positive mass.
+    A token with zero probability is never returned: its cumulative mass equals its
+    predecessor's, and u * total is kept strictly below the total so u -> 1 cannot run off the end.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]
+    below_total = torch.nextafter(total, torch.zeros_like(total))  # [N, 1]
+    point = torch.minimum(uniforms.to(cdf).unsqueeze(1) * total, below_total)  # [N, 1]
+    ids = torch.searchsorted(cdf, point, right=True).squeeze(1)  # [N]
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own generator: seeded with ``seed``, or with a fresh random seed if None."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def draw_uniforms(generator: torch.Generator, n: int) -> Tensor:
+    """[n] float64 uniforms in [0, 1) from ``generator``, on its device."""
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device)

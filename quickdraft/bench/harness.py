@@ -1,0 +1,364 @@
+"""The benchmark loop: every method x setting against ``none`` on one target, request by request.
+
+A *variant* is one method with one setting (``ngram K=4 n=1..4``); ``none`` is always one of
+them. A *request* is one generation: a raw prompt, or one turn of a conversation. A later turn is
+built from ``none``'s answer to the turn before, so every variant is timed on the same prompt.
+
+Order: the target (and the draft) are loaded once and shared by every variant's engine; each
+engine is warmed up; then, request by request, every variant runs back to back, in an order
+rotated from one request to the next so that no variant always runs first. Greedy runs are
+compared with ``none``'s token for token; at the first divergence the target's top-2 logit margin
+is read from a plain forward pass over the common prefix, so that a near-tie (rounding) can be
+told from a bug. At temperature > 0 each request is sampled with ``num_seeds`` seeds by every
+variant, and each variant's per-position token distribution is compared with ``none``'s.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from quickdraft.bench import datasets, stats
+from quickdraft.bench.floor import floor, measure_bandwidth
+from quickdraft.cli import summarize
+from quickdraft.config import EngineConfig
+from quickdraft.errors import ConfigError
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.decoder import AttentionMetadata
+from quickdraft.models.loader import LoadedModel, load_model
+from quickdraft.sampling import SamplingParams
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Variant:
+    method: str
+    k: int = 0  # num_speculative_tokens; 0 for none
+    lookup_max: int | None = None  # ngram only
+    lookup_min: int | None = None
+    draft: str | None = None  # draft_model only: the draft's name or path
+
+    @property
+    def name(self) -> str:
+        if self.method == "none":
+            return "none"
+        if self.method == "ngram":
+            return f"ngram K={self.k} n={self.lookup_min}..{self.lookup_max}"
+        return f"{self.method} K={self.k}"
+
+    def spec(self, draft: LoadedModel | None) -> dict | None:
+        if self.method == "none":
+            return None
+        spec = {"method": self.method, "num_speculative_tokens": self.k}
+        if self.method == "ngram":
+            spec.update(prompt_lookup_max=self.lookup_max, prompt_lookup_min=self.lookup_min)
+        if self.method == "draft_model":
+            spec["model"] = draft
+        return spec
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **asdict(self)}
+
+
+def variants(methods: list[str], ks: list[int], draft: str | None, lookup_max: list[int],
+             lookup_min: list[int]) -> list[Variant]:
+    """Every combination, ``none`` first (added when not asked for: it is the baseline)."""
+    out = [Variant("none")]
+    for m in methods:
+        if m == "none":
+            continue
+        for k in ks:
+            if m == "ngram":
+                out += [Variant(m, k, hi, lo) for hi in lookup_max for lo in lookup_min if lo <= hi]
+            else:
+                out.append(Variant(m, k, draft=draft if m == "draft_model" else None))
+    return out
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    variants: list[Variant]
+    datasets: list[str]
+    limit: int | None = None
+    categories: list[str] | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    num_seeds: int = 1  # samples per request and variant at temperature > 0
+    repeats: int = 1  # times each request is run by each variant (greedy)
+    warmup_tokens: int = 8
+    ignore_eos: bool = False
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int = 2048
+    permutations: int = 200  # TV permutation test
+    peers: list[str] = field(default_factory=list)
+    peer_k: int = 4
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["variants"] = [v.to_dict() for v in self.variants]
+        return d
+
+
+@dataclass
+class Request:
+    id: str
+    dataset: str
+    category: str
+    prompt_id: str
+    turn: int
+    prompt_text: str
+    prompt_token_ids: list[int]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "num_prompt_tokens": len(self.prompt_token_ids)}
+
+
+class RssSampler:
+    """Peak resident memory of this process while a block runs, sampled every ``interval`` s
+    (from /proc/self/statm; elsewhere the process's lifetime peak from getrusage)."""
+
+    def __init__(self, interval: float = 0.01):
+        self.interval, self.peak = interval, 0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def _read(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self._page
+        except OSError:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def _loop(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._read())
+
+    def __enter__(self):
+        self.peak = self._read()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._read())
+
+
+def timed_generate(llm, ids: list[int], params: SamplingParams) -> dict:
+    """One request alone on ``llm``: its tokens, timing, speculative counters and peak RSS."""
+    with RssSampler() as rss:
+        out = llm.generate([ids], params)[0]
+    report = summarize(out, llm.engine.config.speculative)
+    s = out.spec
+    return {
+        "token_ids": out.token_ids, "text": out.text, "num_tokens": len(out.token_ids),
+        "finish_reason": out.finish_reason, "tokens_per_second": report["tokens_per_second"],
+        "seconds": report["seconds"], "ttft_s": (out.first_token_time or out.arrival_time) - out.arrival_time,
+        "total_seconds": (out.finish_time or 0.0) - out.arrival_time,
+        "num_target_passes": s.num_target_passes, "num_draft_tokens": s.num_draft_tokens,
+        "num_accepted_tokens": s.num_accepted_tokens, "num_emitted_tokens": s.num_emitted_tokens,
+        "drafts_per_position": list(s.drafts_per_position), "accepted_per_position": list(s.accepted_per_position),
+        "peak_rss_mib": rss.peak / MIB,
+    }
+
+
+def top2_margin(decoder, ids: list[int]) -> dict:
+    """The target's plain forward over ``ids``: its two best next tokens and their logit margin.
+    ``rounding_level``: the margin is within 4 ulps of the top logit in the model's dtype, so a
+    rounding difference between a verification pass and a decoding step can flip the argmax."""
+    kv = KVCache(decoder.config, 1, len(ids), decoder.dtype, decoder.device)
+    meta = AttentionMetadata.chain([0], [0], [len(ids)])
+    tokens = torch.tensor(ids, dtype=torch.long, device=decoder.device)
+    hidden = decoder.forward(tokens, meta.positions(decoder.device), kv, meta)
+    top = decoder.logits(hidden[-1:])[0].topk(2)
+    v, i = top.values.tolist(), top.indices.tolist()
+    unit = stats.ulp(v[0], torch.finfo(decoder.dtype).eps)
+    return {"top1_token": i[0], "top2_token": i[1], "top1_logit": v[0], "top2_logit": v[1],
+            "margin": v[0] - v[1], "ulp": unit, "rounding_level": v[0] - v[1] <= 4 * unit}
+
+
+class Harness:
+    def __init__(self, config: BenchConfig, progress: bool = True, log: Callable[[str], None] = print):
+        self.config, self.progress, self.log = config, progress, log
+        self.notes: list[str] = []
+
+    # -- set-up -------------------------------------------------------------------------------
+    def prompts(self) -> list[datasets.Prompt]:
+        rows = []
+        for name in self.config.datasets:
+            rows += datasets.load(name, self.config.limit, self.config.categories)
+        if not rows:
+            raise ConfigError("no prompts: check --datasets, --categories and --limit", "datasets")
+        return rows
+
+    def _engines(self, target: LoadedModel, draft: LoadedModel | None) -> dict:
+        from quickdraft import LLM
+
+        c = self.config
+        return {v.name: LLM(target, speculative_config=v.spec(draft), dtype=c.dtype, device=c.device,
+                            max_model_len=c.max_model_len, max_num_seqs=1) for v in c.variants}
+
+    def _params(self, seed: int | None, max_tokens: int | None = None) -> SamplingParams:
+        c = self.config
+        return SamplingParams(max_tokens=max_tokens or c.max_tokens, temperature=c.temperature, top_p=c.top_p,
+                              top_k=c.top_k, seed=seed, ignore_eos=c.ignore_eos)
+
+    # -- the run --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.config
+        started, phases = time.time(), {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - clock
+            clock = now
+
+        prompts = self.prompts()
+        bandwidth = measure_bandwidth()
+        lap("floor_s")
+        dtype = EngineConfig(model=c.model, dtype=c.dtype).torch_dtype
+        target = load_model(c.model, dtype, c.device)
+        draft_name = next((v.draft for v in c.variants if v.draft), None)
+        draft = load_model(draft_name, dtype, c.device) if draft_name else None
+        engines = self._engines(target, draft)
+        lap("load_s")
+        requests, runs, divergences, tv = self._measure(prompts, engines, lap)
+        decoder = engines["none"].engine.decoder
+        none_tps = stats.median([r["tokens_per_second"] for r in runs if r["variant"] == "none"])
+        memory = {name: self._model_bytes(llm) / MIB for name, llm in engines.items()}
+        result = {
+            "config": c.to_dict(),
+            "models": {"target": _model_info(target), "draft": _model_info(draft) if draft else None},
+            "floor": floor(bandwidth, decoder.weight_bytes_per_token(), none_tps),
+            "requests": [r.to_dict() for r in requests], "runs": runs,
+            "divergences": divergences, "tv_tests": tv, "model_mib": memory,
+        }
+        del engines, decoder
+        gc.collect()
+        if c.peers:
+            from quickdraft.bench import peers
+
+            result["peers"] = peers.run_peers(c, target, draft, requests, runs, self.notes, self.progress)
+            lap("peers_s")
+        result["notes"] = self.notes
+        result["phases"] = phases
+        result["duration_s"] = time.time() - started
+        result["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
+        return result
+
+    def _model_bytes(self, llm) -> int:
+        """Weights and KV caches this variant needs on its own (target, draft when it has one)."""
+        eng = llm.engine
+        caches = [eng.kv, getattr(eng.proposer, "kv", None)]
+        total = sum(t.numel() * t.element_size() for kv in caches if kv is not None for t in kv.keys + kv.values)
+        total += sum(t.numel() * t.element_size() for t in eng.model.weights.values())
+        draft = getattr(eng.proposer, "model", None)
+        if draft is not None:
+            total += sum(t.numel() * t.element_size() for t in draft.w.values())
+        return total
+
+    def _measure(self, prompts, engines, lap: Callable[[str], None]):
+        from tqdm import tqdm
+
+        c = self.config
+        names = list(engines)
+        seeds = [c.seed + i for i in range(c.num_seeds)] if not c.greedy else [c.seed]
+        repeats = c.repeats if c.greedy else 1
+        total = sum(p.num_turns for p in prompts) * len(names) * len(seeds) * repeats
+        tok = engines["none"].tokenizer
+        first = tok.encode(datasets.render(prompts[0], tok, []))
+        for llm in engines.values():  # warm-up: kernels, allocator, the draft's first pass
+            llm.generate([first], self._params(c.seed, c.warmup_tokens))
+        lap("warmup_s")
+        requests, runs, divergences, tv = [], [], [], []
+        margins: dict = {}
+        bar = tqdm(total=total, desc="bench", unit="run", disable=not self.progress, dynamic_ncols=True)
+        for p in prompts:
+            answers: list[str] = []
+            for turn in range(p.num_turns):
+                text = datasets.render(p, tok, answers)
+                ids = tok.encode(text)
+                req = Request(f"{p.dataset}/{p.id}#{turn + 1}", p.dataset, p.category, p.id, turn + 1, text, ids)
+                if len(ids) + 1 >= c.max_model_len:
+                    self.notes.append(f"skipped {req.id}: {len(ids)} prompt tokens leave no room in "
+                                      f"--max-model-len {c.max_model_len}")
+                    bar.update(len(names) * len(seeds) * repeats * (p.num_turns - turn))
+                    break
+                requests.append(req)
+                block = []
+                for rep in range(repeats):
+                    for seed in seeds:
+                        rot = (len(requests) + rep + seed) % len(names)
+                        for name in names[rot:] + names[:rot]:
+                            bar.set_postfix_str(f"{req.id} {name}"[:60], refresh=False)
+                            run = timed_generate(engines[name], ids, self._params(seed))
+                            block.append({"request": req.id, "variant": name, "seed": seed, "repeat": rep, **run})
+                            bar.update(1)
+                runs += block
+                base = next(r for r in block if r["variant"] == "none" and r["seed"] == seeds[0] and r["repeat"] == 0)
+                answers.append(base["text"])
+                if c.greedy:
+                    divergences += self._divergences(engines["none"].engine.decoder, req, block, margins)
+                else:
+                    tv += self._tv(req, block)
+                lap("measure_s")
+        bar.close()
+        return requests, runs, divergences, tv
+
+    def _divergences(self, decoder, req: Request, block: list[dict], margins: dict) -> list[dict]:
+        """Every greedy run whose tokens differ from ``none``'s (same repeat), with the margin."""
+        base = {r["repeat"]: r["token_ids"] for r in block if r["variant"] == "none"}
+        out = []
+        for r in block:
+            ref = base[r["repeat"] if r["variant"] != "none" else 0]
+            at = stats.first_divergence(ref, r["token_ids"])
+            r["identical_to_none"] = at is None
+            if at is None:
+                continue
+            prefix = tuple(req.prompt_token_ids + ref[:at])
+            if prefix not in margins:
+                margins[prefix] = top2_margin(decoder, list(prefix))
+            tokens = {"none_token": ref[at] if at < len(ref) else None,
+                      "variant_token": r["token_ids"][at] if at < len(r["token_ids"]) else None}
+            out.append({"request": req.id, "variant": r["variant"], "repeat": r["repeat"], "position": at,
+                        **tokens, **margins[prefix]})
+        return out
+
+    def _tv(self, req: Request, block: list[dict]) -> list[dict]:
+        c = self.config
+        by_variant: dict[str, list[list[int]]] = {}
+        for r in block:
+            by_variant.setdefault(r["variant"], []).append(r["token_ids"])
+        base = by_variant["none"]
+        return [{"request": req.id, "variant": name,
+                 **stats.tv_test(seqs, base, c.max_tokens, c.permutations, c.seed).to_dict()}
+                for name, seqs in by_variant.items() if name != "none"]
+
+
+def _model_info(m: LoadedModel) -> dict:
+    cfg = m.config
+    return {"name": cfg.name, "source": m.source, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "weight_bytes": sum(t.numel() * t.element_size() for t in m.weights.values()),
+            "dtype": str(next(iter(m.weights.values())).dtype).replace("torch.", "")}

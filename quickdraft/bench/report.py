@@ -1,0 +1,308 @@
+"""A finished run -> the terminal table, ``results.json``, ``report.md`` and PNG plots.
+
+Plots use matplotlib's object API (``Figure``, the Agg canvas), never pyplot's global state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from quickdraft.bench.summary import ALL, best, top_dataset
+
+PLOTS = {
+    "speedup": "speedup_by_category.png",
+    "acceptance": "acceptance_by_position.png",
+    "k": "tokens_per_second_vs_k.png",
+    "peers": "quickdraft_vs_peers.png",
+}
+
+
+# -- cells ----------------------------------------------------------------------------------------
+
+def _f(x, digits: int = 2, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}{suffix}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{100 * x:.0f}%"
+
+
+def lossless_cell(l: dict) -> str:
+    if l.get("kind") == "greedy":
+        if l["num_divergences"] == 0:
+            return f"{_pct(l['fraction_identical'])} identical"
+        why = "rounding-level" if l["all_rounding_level"] else "NOT rounding-level"
+        return (f"{_pct(l['fraction_identical'])} identical; {l['num_divergences']} diverged, "
+                f"min margin {_f(l['min_margin'], 3)} ({why})")
+    if not l.get("n"):
+        return "-"
+    return f"TV {_f(l['tv'], 3)} vs null {_f(l['tv_null'], 3)} ± {_f(l['tv_se'], 3)}, p={_f(l['p_value'], 2)}"
+
+
+def _positions(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+# -- tables -------------------------------------------------------------------------------------
+
+def text_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+MAIN_HEADERS = ["variant", "dataset", "category", "n", "tok/s med", "tok/s p90", "speedup", "geomean",
+                "acc. len", "acc. rate", "TTFT s", "RSS MiB", "lossless"]
+
+
+def main_rows(rows: list[dict], categories: bool) -> list[list[str]]:
+    out = []
+    for r in rows:
+        if (r["category"] != ALL) != categories:
+            continue
+        out.append([r["variant"], r["dataset"], r["category"], str(r["n_requests"]),
+                    _f(r["tokens_per_second_median"]), _f(r["tokens_per_second_p90"]),
+                    _f(r["speedup"]["median"], 2, "x"), _f(r["speedup"]["geomean"], 2, "x"),
+                    _f(r["mean_accepted_length"]), _pct(r["acceptance_rate"]) if r["method"] != "none" else "-",
+                    _f(r["ttft_median_s"], 3), _f(r["peak_rss_mib"], 0), lossless_cell(r["lossless"])])
+    return out
+
+
+PEER_HEADERS = ["peer", "dataset", "n", "tok/s med", "TTFT s", "speedup/own plain", "quickdraft twin",
+                "qd tok/s", "quickdraft/peer", "same as qd none"]
+
+
+def peer_rows(peers: dict | None) -> list[list[str]]:
+    if not peers:
+        return []
+    return [[r["name"], r["dataset"], str(r["n"]), _f(r["tokens_per_second_median"]), _f(r["ttft_median_s"], 3),
+             _f(r["speedup_over_own_plain"], 2, "x"), r["quickdraft_variant"] or "-",
+             _f(r["quickdraft_tokens_per_second_median"]), _f(r["quickdraft_over_peer"], 2, "x"),
+             _pct(r["fraction_identical_to_quickdraft_none"])] for r in peers["summary"]]
+
+
+def floor_line(fl: dict) -> str:
+    return (f"floor: {fl['bandwidth_gb_per_s']:.1f} GB/s read bandwidth ({fl['threads']} threads) / "
+            f"{fl['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = "
+            f"{fl['floor_tokens_per_second']:.2f} tok/s; none decodes at {_f(fl['none_tokens_per_second'])} tok/s, "
+            f"{_pct(fl['fraction_of_floor'])} of the floor")
+
+
+def headline(result: dict) -> list[str]:
+    rows = result["summary"]
+    lines = []
+    b = best(rows)
+    if b:
+        lines.append(f"best: {b['variant']} on {top_dataset(rows)}: {_f(b['speedup']['median'], 2, 'x')} median speedup, "
+                     f"{_f(b['tokens_per_second_median'])} tok/s, {_f(b['mean_accepted_length'])} tokens per target pass")
+    peers = (result.get("peers") or {}).get("summary") or []
+    top = [p for p in peers if p["dataset"] == top_dataset(rows)]
+    if top and b:
+        fastest = max(top, key=lambda p: p["tokens_per_second_median"] or 0)
+        ratio = (b["tokens_per_second_median"] or 0) / fastest["tokens_per_second_median"] \
+            if fastest["tokens_per_second_median"] else float("nan")
+        lines.append(f"best peer: {fastest['name']} at {_f(fastest['tokens_per_second_median'])} tok/s; "
+                     f"quickdraft's best / it = {_f(ratio, 2, 'x')}")
+    return lines
+
+
+def terminal(result: dict) -> str:
+    parts = [text_table(MAIN_HEADERS, main_rows(result["summary"], categories=False))]
+    pr = peer_rows(result.get("peers"))
+    if pr:
+        parts.append(text_table(PEER_HEADERS, pr))
+    parts.append(floor_line(result["floor"]))
+    parts += headline(result)
+    parts += [f"note: {n}" for n in result["notes"]]
+    return "\n\n".join(parts)
+
+
+def markdown(result: dict, plots: dict[str, str]) -> str:
+    c, m = result["config"], result["machine"]
+    rows = result["summary"]
+    out = [
+        "# quickdraft bench", "",
+        f"`{result['command']}`", "",
+        f"- target: {result['models']['target']['name']} ({c['dtype']}), draft: "
+        f"{(result['models'].get('draft') or {}).get('name', '-')}",
+        f"- {len(result['requests'])} requests from {', '.join(c['datasets'])}; max {c['max_tokens']} tokens, "
+        f"temperature {c['temperature']}" + (f", {c['num_seeds']} seeds" if c["temperature"] else ""),
+        f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, "
+        f"{_f(m.get('memory_gib'), 0)} GiB; torch {result['versions']['torch']}",
+        f"- started {result['started_at']}, took {result['duration_s'] / 60:.1f} min", "",
+        *[f"**{line}**" for line in headline(result)], "",
+        "## Summary", "", md_table(MAIN_HEADERS, main_rows(rows, categories=False)), "",
+        "Speedup: median over requests of the variant's tokens/s over `none`'s on the same request, run back to "
+        "back. acc. len: tokens per target pass (bonus token included). Lossless: greedy runs compared with "
+        "`none` token for token (at a divergence, the target's top-2 logit margin), or the per-position TV "
+        "distance against its sampling null.", "",
+        "## By category", "", md_table(MAIN_HEADERS, main_rows(rows, categories=True)), "",
+        "## Acceptance by position", "",
+        md_table(["variant", "dataset", "acceptance at draft position 1, 2, ..."],
+                 [[r["variant"], r["dataset"], _positions(r["acceptance_by_position"])] for r in rows
+                  if r["category"] == ALL and r["method"] != "none"]), "",
+        "## The floor", "", floor_line(result["floor"]), "",
+    ]
+    if result["divergences"]:
+        out += ["## Greedy divergences", "", md_table(
+            ["request", "variant", "position", "none token", "variant token", "top-2 margin", "rounding-level"],
+            [[d["request"], d["variant"], str(d["position"]), str(d["none_token"]), str(d["variant_token"]),
+              _f(d["margin"], 4), "yes" if d["rounding_level"] else "NO"] for d in result["divergences"]]), ""]
+    pr = peer_rows(result.get("peers"))
+    if pr:
+        out += ["## Peers", "", md_table(PEER_HEADERS, pr), ""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()] + [""]
+    if result["notes"]:
+        out += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]
+    return "\n".join(out)
+
+
+# -- plots --------------------------------------------------------------------------------------
+
+def _figure(width=8.0, height=4.5):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def plot_speedup(rows: list[dict], path: Path) -> bool:
+    spec = [r for r in rows if r["method"] != "none"]
+    if not spec:
+        return False
+    groups = list(dict.fromkeys(f"{r['dataset']}/{r['category']}" for r in spec))
+    variants = list(dict.fromkeys(r["variant"] for r in spec))
+    fig, ax = _figure(max(8.0, 0.35 * len(groups) * max(1, len(variants)) ** 0.5 + 4), 5.0)
+    width = 0.8 / len(variants)
+    for j, v in enumerate(variants):
+        ys = {f"{r['dataset']}/{r['category']}": r["speedup"]["median"] for r in spec if r["variant"] == v}
+        ax.bar([i + j * width for i in range(len(groups))], [ys.get(g) or 0 for g in groups], width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("median speedup over none")
+    ax.set_title("Speedup by category and method")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def plot_acceptance(rows: list[dict], path: Path) -> bool:
+    top = [r for r in rows if r["category"] == ALL and r["dataset"] == top_dataset(rows) and r["acceptance_by_position"]]
+    if not top:
+        return False
+    fig, ax = _figure()
+    for r in top:
+        xs = list(range(1, len(r["acceptance_by_position"]) + 1))
+        ax.plot(xs, r["acceptance_by_position"], marker="o", label=r["variant"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Acceptance by position ({top_dataset(rows)})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def plot_k(rows: list[dict], floor_tps: float | None, path: Path) -> bool:
+    top = [r for r in rows if r["category"] == ALL and r["dataset"] == top_dataset(rows)]
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in top:
+        if r["method"] != "none":
+            label = " ".join(p for p in r["variant"].split() if not p.startswith("K="))
+            lines.setdefault(label, []).append((r["k"], r["tokens_per_second_median"] or 0))
+    if not lines:
+        return False
+    fig, ax = _figure()
+    for label, pts in lines.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    none = next((r for r in top if r["method"] == "none"), None)
+    if none:
+        ax.axhline(none["tokens_per_second_median"], color="gray", linestyle="--", label="none")
+    if floor_tps:
+        ax.axhline(floor_tps, color="red", linestyle=":", label="floor (plain, bandwidth-bound)")
+    ax.set_xlabel("K (num_speculative_tokens)")
+    ax.set_ylabel("median tokens/s")
+    ax.set_title(f"Tokens/s against K ({top_dataset(rows)})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def plot_peers(result: dict, path: Path) -> bool:
+    peers = [p for p in ((result.get("peers") or {}).get("summary") or []) if p["dataset"] == top_dataset(result["summary"])]
+    if not peers:
+        return False
+    labels, ours, theirs = [], [], []
+    for p in peers:
+        labels.append(f"{p['name']}\nvs {p['quickdraft_variant']}")
+        theirs.append(p["tokens_per_second_median"] or 0)
+        ours.append(p["quickdraft_tokens_per_second_median"] or 0)
+    fig, ax = _figure(max(8.0, 1.6 * len(labels)), 4.5)
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], theirs, 0.4, label="peer")
+    ax.bar([x + 0.2 for x in xs], ours, 0.4, label="quickdraft")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("median tokens/s")
+    ax.set_title("quickdraft against the peers (same prompts, greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def plots(result: dict, out: Path) -> dict[str, str]:
+    made = {}
+    rows = result["summary"]
+    if plot_speedup(rows, out / PLOTS["speedup"]):
+        made["speedup"] = PLOTS["speedup"]
+    if plot_acceptance(rows, out / PLOTS["acceptance"]):
+        made["acceptance"] = PLOTS["acceptance"]
+    if plot_k(rows, result["floor"].get("floor_tokens_per_second"), out / PLOTS["k"]):
+        made["k"] = PLOTS["k"]
+    if plot_peers(result, out / PLOTS["peers"]):
+        made["peers"] = PLOTS["peers"]
+    return made
+
+
+# -- files --------------------------------------------------------------------------------------
+
+def clean(value):
+    """NaN and infinities -> None, so that results.json is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
+
+
+def write(result: dict, out: Path) -> dict[str, Path]:
+    """results.json, report.md and the plots into ``out``; returns what was written."""
+    from quickdraft.bench.schema import validate
+
+    out.mkdir(parents=True, exist_ok=True)
+    made = plots(result, out)
+    missing = sorted(set(PLOTS) - set(made))
+    if missing:
+        result["notes"].append(f"plots not drawn (nothing to show): {', '.join(PLOTS[k] for k in missing)}")
+    data = clean(result)
+    validate(data)
+    (out / "results.json").write_text(json.dumps(data, indent=1, allow_nan=False))
+    (out / "report.md").write_text(markdown(data, made))
+    return {"results": out / "results.json", "report": out / "report.md", **{k: out / v for k, v in made.items()}}

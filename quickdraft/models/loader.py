@@ -1,0 +1,134 @@
+"""``load_model``: a built-in name, a ``.gguf`` file or a Hugging Face directory -> LoadedModel.
+
+GGUF files go through a conversion cache. Dequantizing a GGUF in numpy takes from seconds
+(135M parameters) to minutes (1.5B), so the first load writes the result under
+``$QUICKDRAFT_CACHE/converted/<stem>-<fingerprint>/`` as ``weights-<dtype>.safetensors`` plus
+``config.json`` and ``tokenizer.json``; later loads read those and never open the GGUF. Every file
+is written to a temporary name and renamed, so an interrupted conversion leaves no half file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from quickdraft.errors import ModelFormatError
+from quickdraft.models import gguf as gguf_loader
+from quickdraft.models import hf as hf_loader
+from quickdraft.models import registry
+from quickdraft.models.config import ModelConfig
+from quickdraft.models.tokenizer import Tokenizer
+
+# Bump when the conversion itself changes (names, unpermute, tokenizer building), so that old
+# cache entries are not read as if they were produced by the new code.
+CONVERTER_VERSION = 1
+_SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of a file for its fingerprint
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the decoder: weights by Hugging Face name, in ``dtype`` on ``device``."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str  # the file or directory the weights came from
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load a built-in model by name (``smollm2-135m-instruct``), a ``.gguf`` file, or a Hugging
+    Face directory. Every tensor, norms and biases included, is in ``dtype``: upcasting is the
+    decoder's decision."""
+    if dtype not in _DTYPES:
+        raise ModelFormatError(f"dtype {dtype} is not supported (supported: {', '.join(_DTYPES.values())})")
+    name_or_path = str(name_or_path)
+    if registry.is_builtin(name_or_path):
+        path = registry.model_path(name_or_path)
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            raise registry.unknown_model_error(name_or_path)
+    if path.is_dir():
+        config, weights, tokenizer = hf_loader.load_hf_dir(path, dtype, device)
+    else:
+        config, weights, tokenizer = load_gguf_cached(path, dtype)
+        weights = {k: v.to(device) for k, v in weights.items()}
+    if registry.is_builtin(name_or_path):
+        config = dataclasses.replace(config, name=name_or_path)
+    return LoadedModel(config, weights, tokenizer, str(path))
+
+
+def fingerprint(path: Path) -> str:
+    """A cheap content key: sha256 of the size, the converter version, ModelConfig's fields and
+    three 1 MiB samples of the file.
+
+    Hashing a whole 1 GB file would cost more than the cache saves on the hot path; any
+    re-download, re-quantization or truncation changes the header, the size or the tail. Built-in
+    models are moreover verified by their full sha256 before they get here.
+    """
+    size = path.stat().st_size
+    # ModelConfig's field names are part of the key: a cached config.json of another shape
+    # would not load into the current dataclass.
+    fields = ",".join(f.name for f in dataclasses.fields(ModelConfig))
+    h = hashlib.sha256(f"{size}:{CONVERTER_VERSION}:{fields}".encode())
+    with open(path, "rb") as f:
+        for offset in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
+            f.seek(offset)
+            h.update(f.read(_SAMPLE))
+    return h.hexdigest()[:20]
+
+
+def conversion_dir(path: Path) -> Path:
+    return registry.cache_dir() / "converted" / f"{path.stem}-{fingerprint(path)}"
+
+
+def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """(config, weights on the CPU in ``dtype``, tokenizer) of a GGUF file, converting it once."""
+    path = Path(path)
+    out = conversion_dir(path)
+    weights_file = out / f"weights-{_DTYPES[dtype]}.safetensors"
+    if all(f.exists() for f in (weights_file, out / "config.json", out / "tokenizer.json")):
+        try:
+            return _read_cached(out, weights_file)
+        except (OSError, ValueError, TypeError, KeyError, SafetensorError):
+            pass  # a damaged entry: convert again and overwrite it
+    config, weights, tokenizer = gguf_loader.load_gguf(path, dtype)
+    _write(out, weights_file, config, weights, tokenizer)
+    return config, weights, tokenizer
+
+
+def _read_cached(out: Path, weights_file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    config = ModelConfig(**_config_fields(json.loads((out / "config.json").read_text())))
+    tokenizer = Tokenizer.from_json((out / "tokenizer.json").read_text(encoding="utf-8"))
+    return config, load_file(weights_file), tokenizer
+
+
+def _config_fields(d: dict) -> dict:
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])  # JSON has lists; ModelConfig is hashable
+    return d
+
+
+def _atomic_write(target: Path, write) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write(out: Path, weights_file: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    # Weights first: the loader only trusts an entry once config and tokenizer exist too.
+    _atomic_write(weights_file, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
+    _atomic_write(out / "tokenizer.json", lambda p: p.write_text(tokenizer.to_json(), encoding="utf-8"))
+    _atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(config), indent=1)))

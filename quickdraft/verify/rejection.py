@@ -1,0 +1,225 @@
+"""Lossless chain verification over a ragged batch: greedy matching and rejection sampling.
+
+Speculative sampling as in Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", Algorithm 1, and Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling". ``quickdraft.verify.reference`` is the slow, paper-faithful
+version the code here is tested against, draw by draw.
+
+Terms, for one sequence with K draft tokens x_0..x_{K-1}, target distributions p_0..p_K (p_j scores
+the token after x_{j-1}; p_0 the token after the last committed one) and draft distributions
+q_0..q_{K-1}:
+
+* accepted: a draft token that is kept. x_j is accepted when x_0..x_{j-1} were and
+  u_j < min(1, p_j(x_j) / q_j(x_j)).
+* recovered: at the first rejection, at position n, the token that replaces x_n, drawn from
+  normalize(max(0, p_n - q_n)).
+* bonus: after all K draft tokens are accepted, one more token drawn from p_K.
+
+Every step therefore emits the n accepted tokens plus exactly one recovered or bonus token, and the
+emitted sequence is distributed exactly as sampling from p one token at a time.
+
+Acceptance is the strict ``u < p/q`` (the paper rejects when r > p/q; the two differ only on a
+set of measure zero): with u in [0, 1) a token with p(x) = 0 is never accepted, not even at u = 0,
+and p(x) >= q(x) always is. Greedy sequences (temperature 0) accept the longest prefix equal to the
+target argmax and emit the argmax at the first mismatch (or as the bonus); they use no uniforms.
+
+The function is pure: randomness comes in as ``uniforms``, laid out like the target rows (per
+sequence K coins, then one for the final draw), so a seeded request replays exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quickdraft.sampling import BatchSampling, logits_to_probs, sample_from_probs
+
+
+@dataclass
+class VerifyOutput:
+    """What one verification step emits, per sequence."""
+
+    token_ids: list[list[int]]  # [batch][num_accepted + 1]: accepted draft tokens + one recovered or bonus token
+    num_accepted: list[int]  # [batch] draft tokens accepted, 0..K_i
+
+
+@dataclass
+class _Layout:
+    """Offsets of a ragged batch. Sequence i owns draft tokens [draft_start_i, draft_start_i + K_i)
+    and target rows (and uniforms) [row_start_i, row_start_i + K_i + 1)."""
+
+    num_draft: Tensor  # [batch] int64, K_i
+    draft_start: Tensor  # [batch] int64
+    row_start: Tensor  # [batch] int64
+    draft_seq: Tensor  # [num_draft_tokens] int64, the sequence of each draft token
+    draft_pos: Tensor  # [num_draft_tokens] int64, its position j within the sequence
+    draft_row: Tensor  # [num_draft_tokens] int64, the target row (and uniform) that scores it
+    row_seq: Tensor  # [num_draft_tokens + batch] int64, the sequence of each target row
+
+    @classmethod
+    def build(cls, num_draft_tokens: list[int], device: torch.device) -> _Layout:
+        num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [batch]
+        batch = torch.arange(len(num_draft_tokens), device=device)  # [batch]
+        draft_start = torch.cumsum(num_draft, 0) - num_draft  # [batch]
+        draft_seq = torch.repeat_interleave(batch, num_draft)  # [num_draft_tokens]
+        draft_index = torch.arange(draft_seq.shape[0], device=device)  # [num_draft_tokens]
+        return cls(
+            num_draft=num_draft,
+            draft_start=draft_start,
+            row_start=draft_start + batch,
+            draft_seq=draft_seq,
+            draft_pos=draft_index - draft_start[draft_seq],
+            draft_row=draft_index + draft_seq,
+            row_seq=torch.repeat_interleave(batch, num_draft + 1),
+        )
+
+
+def verify(
+    draft_token_ids: Tensor,  # [num_draft_tokens] int64, the sequences' drafts concatenated
+    num_draft_tokens: list[int],  # [batch] K_i >= 0; K_i = 0 is plain decoding / sampling
+    target_logits: Tensor,  # [num_draft_tokens + batch, V]; sequence i owns K_i + 1 consecutive rows
+    draft_probs: Tensor | None,  # [num_draft_tokens, V] q, shaped by the same params; None = point masses
+    sampling: BatchSampling,  # [batch]
+    uniforms: Tensor,  # [num_draft_tokens + batch] float64 in [0, 1): per sequence K_i coins, then 1
+) -> VerifyOutput:
+    """Verify a ragged batch of draft chains against the target (see the module docstring).
+
+    Row j of sequence i's target rows scores the token after draft token j - 1 (row 0: after the
+    last committed token). ``draft_probs`` None means point-mass drafts (n-gram lookup): q(x) = 1
+    for the proposed token. Vectorized over the batch: all-greedy batches need one argmax per
+    row; sampled ones shape p (one softmax per row), gather p(x) and q(x) for every draft token at
+    once and touch the whole vocabulary again only for the final draw, once per sequence.
+    """
+    if min(num_draft_tokens, default=0) < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    device = target_logits.device
+    layout = _Layout.build(num_draft_tokens, device)
+    _check_shapes(draft_token_ids, layout, target_logits, draft_probs, sampling, uniforms)
+    draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
+    uniforms = uniforms.to(device=device, dtype=torch.float64)
+    sampling = sampling.to(device)
+    greedy = sampling.greedy  # [batch]
+    accepted = torch.zeros_like(draft_token_ids, dtype=torch.bool)  # [num_draft_tokens]
+    final = torch.zeros_like(layout.num_draft)  # [batch]
+    if bool(greedy.any()):
+        accepted, final = _greedy_step(draft_token_ids, target_logits, layout)
+    if not bool(greedy.all()):
+        s_accepted, s_final = _sampled_step(draft_token_ids, target_logits, draft_probs, sampling, uniforms, layout)
+        accepted = torch.where(greedy[layout.draft_seq], accepted, s_accepted)
+        final = torch.where(greedy, final, s_final)
+    return _to_lists(draft_token_ids, layout, _num_accepted(accepted, layout), final)
+
+
+def _greedy_step(draft_token_ids: Tensor, target_logits: Tensor, layout: _Layout) -> tuple[Tensor, Tensor]:
+    """Greedy acceptance [num_draft_tokens] bool and final tokens [batch] for every sequence."""
+    target_argmax = target_logits.argmax(dim=-1)  # [num_rows], lowest id on ties
+    accepted = draft_token_ids == target_argmax[layout.draft_row]  # [num_draft_tokens]
+    num_accepted = _num_accepted(accepted, layout)  # [batch]
+    return accepted, target_argmax[layout.row_start + num_accepted]
+
+
+def _sampled_step(
+    draft_token_ids: Tensor,  # [num_draft_tokens]
+    target_logits: Tensor,  # [num_rows, V]
+    draft_probs: Tensor | None,  # [num_draft_tokens, V]
+    sampling: BatchSampling,  # [batch]
+    uniforms: Tensor,  # [num_rows] float64
+    layout: _Layout,
+) -> tuple[Tensor, Tensor]:
+    """Rejection-sampling acceptance [num_draft_tokens] bool and final tokens [batch] for every sequence."""
+    rows = sampling.select(layout.row_seq)  # [num_rows]
+    p = logits_to_probs(target_logits, rows.temperature, rows.top_k, rows.top_p)  # [num_rows, V]
+    p_draft = p[layout.draft_row, draft_token_ids]  # [num_draft_tokens]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)  # [num_draft_tokens]
+    else:
+        q_draft = draft_probs[torch.arange(draft_token_ids.shape[0], device=p.device), draft_token_ids].float()
+    accepted = _accept_mask(uniforms[layout.draft_row], p_draft, q_draft)  # [num_draft_tokens]
+    num_accepted = _num_accepted(accepted, layout)  # [batch]
+    final_probs = _final_probs(p, draft_token_ids, draft_probs, layout, num_accepted)  # [batch, V]
+    final_uniforms = uniforms[layout.row_start + layout.num_draft]  # [batch], the last uniform of each sequence
+    return accepted, sample_from_probs(final_probs, final_uniforms)
+
+
+def _accept_mask(coins: Tensor, p_draft: Tensor, q_draft: Tensor) -> Tensor:
+    """u_j < min(1, p(x_j) / q(x_j)), in float64, for coins, p_draft, q_draft [num_draft_tokens].
+    q(x) = 0 cannot happen for a token the draft sampled; if given, 0/0 rejects and p/0 accepts."""
+    return coins < p_draft.double() / q_draft.double()
+
+
+def _num_accepted(accepted: Tensor, layout: _Layout) -> Tensor:
+    """Per sequence, the length of the accepted prefix [batch]: the position of its first
+    rejection, or K_i when there is none (a segment minimum)."""
+    first_reject = torch.where(accepted, layout.num_draft[layout.draft_seq], layout.draft_pos)  # [num_draft_tokens]
+    return layout.num_draft.clone().scatter_reduce_(0, layout.draft_seq, first_reject, reduce="amin")
+
+
+def _final_probs(
+    p: Tensor,  # [num_rows, V]
+    draft_token_ids: Tensor,  # [num_draft_tokens]
+    draft_probs: Tensor | None,  # [num_draft_tokens, V]
+    layout: _Layout,
+    num_accepted: Tensor,  # [batch]
+) -> Tensor:
+    """The distribution of each sequence's final token [batch, V] (unnormalized): the bonus
+    distribution p_K after a full accept, else the recovery distribution at the rejection."""
+    p_final = p[layout.row_start + num_accepted]  # [batch, V]
+    rejected = num_accepted < layout.num_draft  # [batch]
+    if draft_token_ids.shape[0] == 0 or not bool(rejected.any()):
+        return p_final
+    # Sequences without a rejection index a valid but unused draft row; torch.where drops it.
+    rejected_index = (layout.draft_start + num_accepted).clamp(max=draft_token_ids.shape[0] - 1)  # [batch]
+    if draft_probs is None:
+        q_final = torch.zeros_like(p_final).scatter_(1, draft_token_ids[rejected_index].unsqueeze(1), 1.0)
+    else:
+        q_final = draft_probs[rejected_index].float()  # [batch, V]
+    return torch.where(rejected.unsqueeze(1), _recovery_probs(p_final, q_final), p_final)
+
+
+def _recovery_probs(p: Tensor, q: Tensor) -> Tensor:
+    """max(0, p - q) [n, V] for p, q [n, V], left unnormalized (``sample_from_probs`` draws
+    proportionally). A rejection implies p(x) < q(x), so the residual has mass
+    sum(max(0, q - p)) >= q(x) - p(x) > 0 when p and q each sum to 1; it can be all zero only when
+    rounding leaves p's sum below q's. Then p itself is used: it is the distribution being matched."""
+    residual = (p - q).clamp_(min=0.0)  # [n, V]
+    empty = residual.sum(dim=-1, keepdim=True) == 0  # [n, 1]
+    return torch.where(empty, p, residual)
+
+
+def _to_lists(draft_token_ids: Tensor, layout: _Layout, num_accepted: Tensor, final: Tensor) -> VerifyOutput:
+    """Lay the emitted tokens out like the target rows (sequence i's accepted drafts, then its final
+    token, from row_start_i), then one host transfer and one slice per sequence."""
+    emitted = torch.empty_like(layout.row_seq)  # [num_rows]; rows after each final token stay unused
+    emitted[layout.draft_row] = draft_token_ids
+    emitted[layout.row_start + num_accepted] = final
+    flat = emitted.tolist()
+    counts = num_accepted.tolist()
+    token_ids = [flat[s : s + n + 1] for s, n in zip(layout.row_start.tolist(), counts)]
+    return VerifyOutput(token_ids=token_ids, num_accepted=counts)
+
+
+def _check_shapes(
+    draft_token_ids: Tensor,
+    layout: _Layout,
+    target_logits: Tensor,
+    draft_probs: Tensor | None,
+    sampling: BatchSampling,
+    uniforms: Tensor,
+) -> None:
+    """Shape errors are the caller's bug: raise ValueError with the sizes that disagree."""
+    batch = layout.num_draft.shape[0]
+    total = layout.draft_seq.shape[0]
+    if tuple(draft_token_ids.shape) != (total,):
+        raise ValueError(f"draft_token_ids has shape {tuple(draft_token_ids.shape)}, expected ({total},)")
+    if target_logits.dim() != 2 or target_logits.shape[0] != total + batch:
+        raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}, expected ({total + batch}, V)")
+    if draft_probs is not None and tuple(draft_probs.shape) != (total, target_logits.shape[1]):
+        raise ValueError(
+            f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({total}, {target_logits.shape[1]})"
+        )
+    if len(sampling) != batch:
+        raise ValueError(f"sampling has {len(sampling)} rows, expected {batch}")
+    if tuple(uniforms.shape) != (total + batch,):
+        raise ValueError(f"uniforms has shape {tuple(uniforms.shape)}, expected ({total + batch},)")

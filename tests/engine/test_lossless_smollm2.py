@@ -1,0 +1,62 @@
+"""End to end on real weights (SmolLM2-135M-Instruct): speculative greedy output equals plain greedy
+output token for token, for n-gram lookup and for a draft model, in float32 and in bfloat16.
+
+bfloat16 is exact too, not only float32: every op of the decoder is batch invariant (see
+models/decoder.py), so a verification pass over K + 1 tokens rounds each row exactly as the
+single-token pass of plain decoding would. No tolerance anywhere in this file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.models.loader import load_model
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is Paris. The capital of Italy is Rome. The capital of France is",
+    "<|im_start|>user\nList the first five prime numbers, one per line.<|im_end|>\n<|im_start|>assistant\n",
+]
+PARAMS = SamplingParams(max_tokens=40, temperature=0)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def target(request, smollm2_path):
+    dtype = getattr(torch, request.param)
+    return request.param, load_model(str(smollm2_path), dtype)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    dtype, model = target
+    return [o.token_ids for o in LLM(model, dtype=dtype).generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+])
+def test_ngram_equals_plain(target, plain, spec):
+    dtype, model = target
+    llm = LLM(model, speculative_config=spec, dtype=dtype)
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == plain
+    assert llm.engine.stats.num_accepted_tokens > 0  # the repeated-capital prompt gets accepted drafts
+
+
+def test_self_draft_accepts_everything(target, plain):
+    """The model as its own draft: every draft token accepted, output unchanged."""
+    dtype, model = target
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4},
+              dtype=dtype)
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == plain
+    assert llm.engine.stats.acceptance_rate == 1.0
+
+
+def test_batched_equals_alone(target, plain):
+    dtype, model = target
+    llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, dtype=dtype)
+    alone = [llm.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    assert alone == plain

@@ -1,0 +1,117 @@
+"""Rejection-sampling path of verify: hand cases, edge uniforms, seeded reproducibility, shapes."""
+
+import math
+
+import pytest
+import torch
+
+from quickdraft.sampling import BatchSampling, SamplingParams, draw_uniforms, make_generator, sample_from_probs
+from quickdraft.verify import verify
+from quickdraft.verify.rejection import _recovery_probs
+
+SAMPLED = SamplingParams(temperature=1.0)
+EDGE = math.nextafter(1.0, 0.0)
+
+
+def test_k_zero_is_plain_sampling_with_the_one_uniform():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    uniforms = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    out = verify(torch.zeros(0, dtype=torch.int64), [0, 0, 0], logits, None,
+                 BatchSampling.from_params([SAMPLED] * 3), uniforms)
+    assert [t[0] for t in out.token_ids] == sample_from_probs(torch.softmax(logits, -1), uniforms).tolist()
+    assert out.num_accepted == [0, 0, 0]
+
+
+def test_acceptance_is_strict_u_below_p_over_q():
+    """p(x) = 0 is rejected even at u = 0; p(x) >= q(x) is accepted even at u = 1 - eps."""
+    logits = torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]])
+    q = torch.tensor([[0.2, 0.6, 0.2]])
+    out = verify(torch.tensor([1]), [1], logits, q, BatchSampling.from_params([SAMPLED]),
+                 torch.tensor([0.0, 0.0], dtype=torch.float64))
+    assert out.num_accepted == [0] and out.token_ids[0] != [1]
+    out = verify(torch.tensor([0]), [1], logits, q, BatchSampling.from_params([SAMPLED]),
+                 torch.tensor([EDGE, EDGE], dtype=torch.float64))
+    assert out.num_accepted == [1] and out.token_ids[0][0] == 0
+
+
+def test_point_mass_recovery_never_repeats_the_rejected_token():
+    """q = one-hot(x): max(0, p - q) is p with x zeroed out."""
+    gen = torch.Generator().manual_seed(1)
+    batch, vocab = 400, 5
+    logits = torch.randn(2 * batch, vocab, generator=gen)
+    draft = torch.randint(vocab, (batch,), generator=gen)
+    out = verify(draft, [1] * batch, logits, None, BatchSampling.from_params([SAMPLED] * batch),
+                 torch.rand(2 * batch, generator=gen, dtype=torch.float64))
+    rejected = [i for i, n in enumerate(out.num_accepted) if n == 0]
+    assert 50 < len(rejected) < batch
+    assert all(out.token_ids[i][0] != int(draft[i]) for i in rejected)
+
+
+def test_recovered_token_is_drawn_with_the_last_uniform():
+    """Rejecting x_0 = 1 (p = 0.1 < u = 0.5 < q = 0.6) recovers from (0.3, 0, 0.2, 0) with u_final."""
+    p = torch.tensor([[0.5, 0.1, 0.4, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.2, 0.6, 0.2, 0.0]])
+    for final_u, expected in [(0.1, 0), (0.59, 0), (0.61, 2), (EDGE, 2)]:
+        uniforms = torch.tensor([0.5, final_u], dtype=torch.float64)
+        out = verify(torch.tensor([1]), [1], p.log(), q, BatchSampling.from_params([SAMPLED]), uniforms)
+        assert out.token_ids == [[expected]] and out.num_accepted == [0]
+
+
+def test_zero_mass_residual_falls_back_to_p():
+    p = torch.tensor([[0.2, 0.3, 0.0], [0.5, 0.2, 0.3]])
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.1, 0.8, 0.1]])
+    out = _recovery_probs(p, q)
+    assert torch.equal(out[0], p[0])
+    assert torch.allclose(out[1], torch.tensor([0.4, 0.0, 0.2]))
+
+
+def seeded_run(seed: int, batch: int = 64, k: int = 3, vocab: int = 6):
+    """A batch whose outcome depends on every uniform, with uniforms from one seeded generator."""
+    cases = torch.Generator().manual_seed(99)
+    logits = torch.randn(batch * (k + 1), vocab, generator=cases)
+    q = torch.softmax(torch.randn(batch * k, vocab, generator=cases), -1)
+    uniforms = draw_uniforms(make_generator(seed), batch * (k + 1))
+    draft = sample_from_probs(q, draw_uniforms(make_generator(seed + 1000), batch * k))
+    params = BatchSampling.from_params([SamplingParams(temperature=0.9, top_p=0.95)] * batch)
+    return uniforms, verify(draft, [k] * batch, logits, q, params, uniforms)
+
+
+def test_seeded_runs_are_reproducible():
+    u1, out1 = seeded_run(7)
+    u2, out2 = seeded_run(7)
+    u3, out3 = seeded_run(8)
+    assert torch.equal(u1, u2) and out1 == out2
+    assert not torch.equal(u1, u3) and out1 != out3
+
+
+def test_per_request_generators_concatenate():
+    """The runner draws K_i + 1 uniforms from each request's own generator and concatenates them."""
+    logits = torch.randn(7, 9, generator=torch.Generator().manual_seed(3))
+    draft, num_draft = torch.tensor([1, 2, 3, 4]), [3, 0, 1]
+    params = BatchSampling.from_params([SAMPLED] * 3)
+
+    def run():
+        gens = [make_generator(s) for s in (11, 12, 13)]
+        uniforms = torch.cat([draw_uniforms(g, k + 1) for g, k in zip(gens, num_draft)])
+        return verify(draft, num_draft, logits, None, params, uniforms)
+
+    assert run() == run()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(draft=torch.tensor([1, 2])), "draft_token_ids"),
+        (dict(logits=torch.zeros(4, 5)), "target_logits"),
+        (dict(q=torch.zeros(3, 4)), "draft_probs"),
+        (dict(uniforms=torch.zeros(4, dtype=torch.float64)), "uniforms"),
+        (dict(params=BatchSampling.from_params([SAMPLED])), "sampling"),
+        (dict(num_draft=[-1, 4]), "num_draft_tokens"),
+    ],
+)
+def test_shape_errors_name_the_argument(change, message):
+    args = dict(draft=torch.tensor([1, 2, 3]), num_draft=[2, 1], logits=torch.zeros(5, 5), q=None,
+                params=BatchSampling.from_params([SAMPLED] * 2), uniforms=torch.zeros(5, dtype=torch.float64))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        verify(args["draft"], args["num_draft"], args["logits"], args["q"], args["params"], args["uniforms"])

@@ -1,0 +1,158 @@
+"""Statistical losslessness: what verify emits is distributed exactly as the target's samples.
+
+The target and the draft are position-dependent Markov chains over V = 8 tokens (a fixed context:
+the distribution at position j depends on j and on the token before it), so p_j and q_j differ at
+every draft position and depend on the draft's own earlier tokens. N = 200k sequences run one
+speculative step from position 0 (K = 3); the ones that emitted a single token run a second step
+from position 1. The joint of the first two emitted tokens must match p_0(a) * p_1(b | a), and the
+first token alone p_0, by a chi-square test (p-value > 1e-4). The same test must reject
+deliberately wrong rules (p-value < 1e-4; they run on N / 4, and still score p-values that
+underflow to 0), which shows that it has the power to catch a bug.
+"""
+
+import pytest
+import torch
+
+from quickdraft.sampling import BatchSampling, SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
+from quickdraft.verify import rejection, verify
+
+V, K, N = 8, 3, 200_000
+ALPHA = 1e-4  # chi-square p-value threshold: the correct rule passes above it, wrong rules fall below
+
+
+def markov_logits(seed: int) -> torch.Tensor:
+    """Log-probabilities [K + 2, V, V]: row [j, a] is the distribution at position j after token a
+    (Dirichlet(1) draws, fixed by ``seed``)."""
+    e = -torch.rand(K + 2, V, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).log()
+    return (e / e.sum(-1, keepdim=True)).log().float()
+
+
+TARGET, DRAFT = markov_logits(1), markov_logits(2)
+
+
+def shaped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> probs [n, V] with one request's params on every row."""
+    batch = BatchSampling.from_params([params]).select(torch.zeros(logits.shape[0], dtype=torch.int64))
+    return logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+
+
+def speculative_step(pos: int, prev: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+                     point_mass: bool, pass_q: bool = True) -> list[list[int]]:
+    """One verify step for len(prev) sequences at position ``pos`` after tokens ``prev`` [n]."""
+    n = prev.shape[0]
+    ctx, target_rows, q_rows, draft = prev, [], [], []
+    for j in range(K):
+        target_rows.append(TARGET[pos + j][ctx])  # [n, V]
+        q = shaped(DRAFT[pos + j][ctx], params)  # [n, V]
+        # Point-mass drafts guess deterministically, like an n-gram lookup.
+        ctx = q.argmax(-1) if point_mass else sample_from_probs(q, draw_uniforms(gen, n))  # [n]
+        q_rows.append(q)
+        draft.append(ctx)
+    target_rows.append(TARGET[pos + K][ctx])
+    out = verify(
+        torch.stack(draft, 1).reshape(n * K),
+        [K] * n,
+        torch.stack(target_rows, 1).reshape(n * (K + 1), V),
+        None if point_mass or not pass_q else torch.stack(q_rows, 1).reshape(n * K, V),
+        BatchSampling.from_params([params]).select(torch.zeros(n, dtype=torch.int64)),
+        draw_uniforms(gen, n * (K + 1)),
+    )
+    return out.token_ids
+
+
+def first_two_tokens(params: SamplingParams, point_mass: bool, seed: int, n: int = N,
+                     pass_q: bool = True) -> torch.Tensor:
+    """The first two emitted tokens [n, 2] of n independent generations."""
+    gen = torch.Generator().manual_seed(seed)
+    step1 = speculative_step(0, torch.zeros(n, dtype=torch.int64), params, gen, point_mass, pass_q)
+    first = torch.tensor([t[0] for t in step1])
+    second = torch.tensor([t[1] if len(t) > 1 else -1 for t in step1])
+    again = (second < 0).nonzero().squeeze(1)
+    step2 = speculative_step(1, first[again], params, gen, point_mass, pass_q)
+    second[again] = torch.tensor([t[0] for t in step2], dtype=torch.int64)
+    return torch.stack([first, second], 1)
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of ``counts`` [C] against ``probs`` [C]. A count in a cell of
+    probability 0 fails outright; cells expecting < 5 are pooled so the test stays valid."""
+    counts, probs = counts.double(), probs.double() / probs.double().sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * counts.sum()
+    small = (expected < 5) & (probs > 0)
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[small].sum().reshape(1)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = torch.tensor(obs.shape[0] - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def pvalues(tokens: torch.Tensor, params: SamplingParams) -> tuple[float, float]:
+    """p-values of (first token vs p_0, joint of the first two vs p_0(a) p_1(b | a))."""
+    p0 = shaped(TARGET[0][:1], params)[0]  # [V], context token 0
+    p1 = shaped(TARGET[1], params)  # [V, V], row a: position 1 after a
+    joint = (p0.double().unsqueeze(1) * p1.double()).reshape(V * V)  # [V * V]
+    first = torch.bincount(tokens[:, 0], minlength=V)
+    pairs = torch.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V)
+    return chi_square_pvalue(first, p0), chi_square_pvalue(pairs, joint)
+
+
+CASES = {
+    "sampled q": (SamplingParams(temperature=1.0), False),
+    "top-k, top-p, temperature on both": (SamplingParams(temperature=0.8, top_k=5, top_p=0.85), False),
+    "point-mass drafts": (SamplingParams(temperature=1.0), True),
+    "point-mass drafts, shaped": (SamplingParams(temperature=1.3, top_k=6, top_p=0.9), True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_emitted_tokens_follow_the_target(name):
+    params, point_mass = CASES[name]
+    tokens = first_two_tokens(params, point_mass, seed=10)
+    p_first, p_joint = pvalues(tokens, params)
+    assert p_first > ALPHA and p_joint > ALPHA, (name, p_first, p_joint)
+
+
+def test_sampled_drafts_verified_as_point_masses_stay_lossless():
+    """Point-mass verification (accept x with probability p(x), else recover from p without x)
+    is lossless for any proposal drawn independently of the verifier's uniforms:
+    P(y) = q(y) p(y) + sum_{x != y} q(x) p(y) = p(y). So dropping q costs acceptance, not
+    correctness; it is not one of the wrong rules below."""
+    params, _ = CASES["sampled q"]
+    tokens = first_two_tokens(params, False, seed=30, n=N // 2, pass_q=False)
+    p_first, p_joint = pvalues(tokens, params)
+    assert p_first > ALPHA and p_joint > ALPHA, (p_first, p_joint)
+
+
+def accept_always(coins, p_draft, q_draft):
+    return torch.ones_like(coins, dtype=torch.bool)
+
+
+def inverted_ratio(coins, p_draft, q_draft):
+    return coins < q_draft.double() / p_draft.double()
+
+
+def recover_from_p(p, q):
+    return p
+
+
+WRONG_RULES = {
+    "accept always": ("_accept_mask", accept_always, "sampled q"),
+    "accept if u < q/p instead of p/q": ("_accept_mask", inverted_ratio, "sampled q"),
+    "recover from p instead of max(0, p - q)": ("_recovery_probs", recover_from_p, "sampled q"),
+    "recover from p, shaped": ("_recovery_probs", recover_from_p, "top-k, top-p, temperature on both"),
+    "accept always, point-mass drafts": ("_accept_mask", accept_always, "point-mass drafts"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG_RULES))
+def test_wrong_rules_are_detected(monkeypatch, name):
+    helper, wrong, case = WRONG_RULES[name]
+    params, point_mass = CASES[case]
+    monkeypatch.setattr(rejection, helper, wrong)
+    tokens = first_two_tokens(params, point_mass, seed=20, n=N // 4)
+    p_first, p_joint = pvalues(tokens, params)
+    assert min(p_first, p_joint) < ALPHA, (name, p_first, p_joint)
