@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
+from quickdraft.models.kernels import bf16_linear
+from quickdraft.models.kernels import bf16_linear
 
 ROW_MULTIPLE = 4
 MAX_ROW_BY_ROW = 32  # a chain of at most this many new tokens attends row by row (see _attention)
@@ -74,7 +76,13 @@ def _bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ weight[out, in].T (+ bias): rows padded to a multiple of ROW_MULTIPLE, for batch invariance."""
+    """x [n, in] @ weight[out, in].T (+ bias) -> [n, out], batch invariant: bfloat16 on a CPU with
+    AVX512-BF16 takes our kernel (invariant by construction, and faster: see kernels/); anything
+    else takes torch's linear with the rows padded to a multiple of ROW_MULTIPLE."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[1] % 32 == 0 and weight.is_contiguous():
+        kernel = bf16_linear()
+        if kernel is not None:
+            return kernel(x, weight, bias)
     xp, n = _pad_rows(x)
     return F.linear(xp, weight, bias)[:n]
 
