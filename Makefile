@@ -35,7 +35,10 @@ test: $(VENV)/.installed
 demo: $(VENV)/.qwen
 	$(PY) -m quickdraft.demo
 
+# The standard suite measures the peers too: install them (llama-cpp-python builds from source,
+# about 5 minutes) unless they are there. bench-quick skips a missing peer with a note.
 bench: $(VENV)/.qwen
+	$(PY) -c "import llama_cpp, transformers" 2>/dev/null || $(PIP) install -c constraints.txt -e '.[peers]'
 	$(PY) -m quickdraft.cli bench --suite standard --out bench-out/standard
 
 bench-quick: $(VENV)/.qwen

@@ -29,14 +29,15 @@ DEFAULTS = {
     "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
 }
 SUITES = {
-    # about 5 minutes here: 3 HumanEval prompts and 3 MT-Bench questions (6 turns), 64 tokens
-    "quick": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "limit": 3,
+    # about 5 minutes here: 2 HumanEval prompts and 2 MT-Bench questions (4 turns), 64 tokens
+    "quick": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "limit": 2,
               "max_tokens": 64, "methods": "none,ngram,draft_model", "num_speculative_tokens": "4",
               "peers": "llama_cpp"},
-    # the README's figures: see README-bench.md for how long it takes
-    "standard": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "limit": 8,
-                 "max_tokens": 128, "methods": "none,ngram,draft_model", "num_speculative_tokens": "2,4,6,8",
-                 "peers": "transformers,llama_cpp"},
+    # the README's figures, about 1 to 1.5 hours here (README-bench.md): 4 HumanEval prompts and one
+    # MT-Bench question of each of its 8 categories (16 turns), 96 tokens, K = 2, 4, 6, 8, peers
+    "standard": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench",
+                 "limit": "humaneval=4,mtbench=8", "max_tokens": 96, "methods": "none,ngram,draft_model",
+                 "num_speculative_tokens": "2,4,6,8", "peers": "transformers,llama_cpp"},
 }
 FLAGS = {  # setting -> its flag, in the order the reproducing command lists them
     "model": "--model", "draft_model": "--draft-model", "datasets": "--datasets", "limit": "--limit",
@@ -59,7 +60,8 @@ def register(subparsers) -> None:
     p.add_argument("--suite", choices=sorted(SUITES), help="a preset: quick (about 5 min) or standard")
     p.add_argument("--draft-model", help="the draft of method draft_model (a built-in name, .gguf or HF directory)")
     p.add_argument("--datasets", help="comma-separated: humaneval, mtbench, or .jsonl files")
-    p.add_argument("--limit", type=int, help="prompts per data set, taken round-robin over its categories (0 = all)")
+    p.add_argument("--limit", help="prompts per data set, taken round-robin over its categories (0 = all); "
+                                   "one number, or per set: humaneval=4,mtbench=8")
     p.add_argument("--categories", help="comma-separated categories to keep (e.g. coding,math)")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float, help="0 = greedy; > 0 compares token distributions over seeds")
@@ -83,6 +85,21 @@ def _ints(value: str, flag: str) -> list[int]:
         return [int(x) for x in str(value).split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{flag} takes comma-separated integers, got {value!r}") from None
+
+
+def _limits(value, data: list[str]) -> dict[str, int | None]:
+    """``--limit``: "8" for every data set, or "humaneval=4,mtbench=8" (unnamed sets: all)."""
+    text = str(value if value is not None else 0)
+    try:
+        if "=" not in text:
+            return {d: int(text) or None for d in data}
+        named = {k.strip(): int(v) or None for k, v in (part.split("=", 1) for part in text.split(",") if part.strip())}
+    except ValueError:
+        raise ConfigError(f"--limit takes a number or name=number pairs, got {value!r}", "limit") from None
+    unknown = sorted(set(named) - set(data))
+    if unknown:
+        raise ConfigError(f"--limit names data sets not in --datasets: {unknown}", "limit")
+    return {d: named.get(d) for d in data}
 
 
 def _names(value) -> list[str]:
@@ -153,7 +170,7 @@ def build_config(settings: dict, args):
     if settings["temperature"] and settings["num_seeds"] < 2:
         raise ConfigError("--num-seeds must be >= 2 at temperature > 0 (a distribution needs samples)", "num_seeds")
     return BenchConfig(
-        model=settings["model"], variants=vs, datasets=data, limit=settings["limit"] or None,
+        model=settings["model"], variants=vs, datasets=data, limit=_limits(settings["limit"], data),
         categories=_names(settings["categories"]) or None, max_tokens=settings["max_tokens"],
         temperature=settings["temperature"], seed=settings["seed"], num_seeds=settings["num_seeds"] or 1,
         repeats=settings["repeats"], warmup_tokens=settings["warmup_tokens"], ignore_eos=args.ignore_eos,

@@ -87,7 +87,7 @@ class BenchConfig:
     model: str
     variants: list[Variant]
     datasets: list[str]
-    limit: int | None = None
+    limit: int | dict[str, int | None] | None = None  # prompts per data set (a dict: by name); None = all
     categories: list[str] | None = None
     max_tokens: int = 128
     temperature: float = 0.0
@@ -197,24 +197,25 @@ def top2_margin(decoder, ids: list[int]) -> dict:
 
 
 class Harness:
-    def __init__(self, config: BenchConfig, progress: bool = True, log: Callable[[str], None] = print):
-        self.config, self.progress, self.log = config, progress, log
+    def __init__(self, config: BenchConfig, progress: bool = True):
+        self.config, self.progress = config, progress
         self.notes: list[str] = []
 
     # -- set-up -------------------------------------------------------------------------------
     def prompts(self) -> list[datasets.Prompt]:
         rows = []
         for name in self.config.datasets:
-            rows += datasets.load(name, self.config.limit, self.config.categories)
+            limit = self.config.limit.get(name) if isinstance(self.config.limit, dict) else self.config.limit
+            rows += datasets.load(name, limit, self.config.categories)
         if not rows:
             raise ConfigError("no prompts: check --datasets, --categories and --limit", "datasets")
         return rows
 
-    def _engines(self, target: LoadedModel, draft: LoadedModel | None) -> dict:
+    def _engines(self, target: LoadedModel, drafts: dict[str, LoadedModel]) -> dict:
         from quickdraft import LLM
 
         c = self.config
-        return {v.name: LLM(target, speculative_config=v.spec(draft), dtype=c.dtype, device=c.device,
+        return {v.name: LLM(target, speculative_config=v.spec(drafts.get(v.draft)), dtype=c.dtype, device=c.device,
                             max_model_len=c.max_model_len, max_num_seqs=1) for v in c.variants}
 
     def _params(self, seed: int | None, max_tokens: int | None = None) -> SamplingParams:
@@ -239,9 +240,11 @@ class Harness:
         lap("floor_s")
         dtype = EngineConfig(model=c.model, dtype=c.dtype).torch_dtype
         target = load_model(c.model, dtype, c.device)
-        draft_name = next((v.draft for v in c.variants if v.draft), None)
-        draft = load_model(draft_name, dtype, c.device) if draft_name else None
-        engines = self._engines(target, draft)
+        # each draft loaded once, shared by every K
+        names = dict.fromkeys(v.draft for v in c.variants if v.draft)
+        drafts = {name: load_model(name, dtype, c.device) for name in names}
+        draft = next(iter(drafts.values()), None)  # the one the peers get
+        engines = self._engines(target, drafts)
         lap("load_s")
         requests, runs, divergences, tv = self._measure(prompts, engines, lap)
         decoder = engines["none"].engine.decoder
@@ -254,12 +257,15 @@ class Harness:
             "requests": [r.to_dict() for r in requests], "runs": runs,
             "divergences": divergences, "tv_tests": tv, "model_mib": memory,
         }
-        del engines, decoder
+        eos = set(target.config.eos_token_ids)
+        target_source, draft_source = target.source, draft.source if draft else None
+        del engines, decoder, target, draft, drafts  # the peers load their own copies
         gc.collect()
         if c.peers:
             from quickdraft.bench import peers
 
-            result["peers"] = peers.run_peers(c, target, draft, requests, runs, self.notes, self.progress)
+            result["peers"] = peers.run_peers(c, target_source, draft_source, eos, requests, runs, self.notes,
+                                              self.progress)
             lap("peers_s")
         result["notes"] = self.notes
         result["phases"] = phases

@@ -75,8 +75,10 @@ def _hf_load(source: str, dtype):
     return model.eval()
 
 
-def transformers_methods(target, draft, dtype, k: int, lookup_max: int, max_tokens: int, eos: set[int],
-                         ignore_eos: bool) -> list[PeerMethod]:
+def transformers_methods(target: str, draft: str | None, dtype, k: int, lookup_max: int, max_tokens: int,
+                         eos: set[int], ignore_eos: bool) -> list[PeerMethod]:
+    """Plain, assisted (when there is a draft) and prompt lookup generation; target and draft are
+    a .gguf file or a Hugging Face directory."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -94,7 +96,7 @@ def transformers_methods(target, draft, dtype, k: int, lookup_max: int, max_toke
         def end(self):
             pass
 
-    model = _hf_load(target.source, dtype)
+    model = _hf_load(target, dtype)
     eos_list = sorted(eos)
     base = {"max_new_tokens": max_tokens, "do_sample": False, "pad_token_id": eos_list[0] if eos_list else 0}
     base.update({"min_new_tokens": max_tokens} if ignore_eos else {"eos_token_id": eos_list})
@@ -113,7 +115,7 @@ def transformers_methods(target, draft, dtype, k: int, lookup_max: int, max_toke
 
     methods = [PeerMethod("transformers", "plain", {}, runner({}))]
     if draft is not None:
-        assistant = _hf_load(draft.source, dtype)
+        assistant = _hf_load(draft, dtype)
         assistant.generation_config.num_assistant_tokens = k
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
         assistant.generation_config.assistant_confidence_threshold = 0.0
@@ -127,16 +129,17 @@ def transformers_methods(target, draft, dtype, k: int, lookup_max: int, max_toke
 
 # -- llama.cpp ----------------------------------------------------------------------------------
 
-def llama_cpp_methods(target, k: int, lookup_max: int, max_tokens: int, eos: set[int], threads: int,
+def llama_cpp_methods(target: str, k: int, lookup_max: int, max_tokens: int, eos: set[int], threads: int,
                       n_ctx: int) -> list[PeerMethod]:
+    """Plain and prompt lookup decoding on the target's .gguf file."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    if Path(target.source).is_dir():
+    if Path(target).is_dir():
         raise ValueError("llama.cpp reads GGUF files only, and the target is a Hugging Face directory")
 
     def load(**kw):
-        return Llama(model_path=target.source, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+        return Llama(model_path=target, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                      verbose=False, **kw)
 
     def runner(llm) -> Callable[[list[int]], dict]:
@@ -169,14 +172,14 @@ def _installed(peer: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def build(config, target, draft, notes: list[str]) -> list[PeerMethod]:
+def build(config, target: str, draft: str | None, eos: set[int], notes: list[str]) -> list[PeerMethod]:
     import torch
 
     from quickdraft.config import EngineConfig
 
     dtype = EngineConfig(model=config.model, dtype=config.dtype).torch_dtype
     lookup_max = next((v.lookup_max for v in config.variants if v.method == "ngram"), 4)
-    eos = set() if config.ignore_eos else set(target.config.eos_token_ids)
+    eos = set() if config.ignore_eos else eos
     methods: list[PeerMethod] = []
     for peer in config.peers:
         if not _installed(peer):
@@ -191,17 +194,19 @@ def build(config, target, draft, notes: list[str]) -> list[PeerMethod]:
                 methods += llama_cpp_methods(target, config.peer_k, lookup_max, config.max_tokens, eos,
                                              torch.get_num_threads(), config.max_model_len)
         except Exception as e:  # a peer's own failure (format, version) must not lose quickdraft's figures
-            notes.append(f"peer {peer} skipped: it could not load {target.source}: {type(e).__name__}: {e}")
+            notes.append(f"peer {peer} skipped: it could not load {target}: {type(e).__name__}: {e}")
     return methods
 
 
-def run_peers(config, target, draft, requests, qd_runs: list[dict], notes: list[str], progress: bool) -> dict:
+def run_peers(config, target: str, draft: str | None, eos: set[int], requests, qd_runs: list[dict],
+              notes: list[str], progress: bool) -> dict:
+    """Every peer method on every request (greedy), and their summary beside quickdraft's runs."""
     from tqdm import tqdm
 
     if not config.greedy:
         notes.append("peers skipped: they are compared at temperature 0 only")
         return {"methods": [], "runs": [], "summary": []}
-    methods = build(config, target, draft, notes)
+    methods = build(config, target, draft, eos, notes)
     runs = []
     if methods:
         for m in methods:  # warm-up, as for quickdraft's engines

@@ -62,7 +62,7 @@ def md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 MAIN_HEADERS = ["variant", "dataset", "category", "n", "tok/s med", "tok/s p90", "speedup", "geomean",
-                "acc. len", "acc. rate", "TTFT s", "RSS MiB", "lossless"]
+                "acc. len", "acc. rate", "TTFT s", "RSS MiB", "own MiB", "lossless"]
 
 
 def main_rows(rows: list[dict], categories: bool) -> list[list[str]]:
@@ -74,7 +74,8 @@ def main_rows(rows: list[dict], categories: bool) -> list[list[str]]:
                     _f(r["tokens_per_second_median"]), _f(r["tokens_per_second_p90"]),
                     _f(r["speedup"]["median"], 2, "x"), _f(r["speedup"]["geomean"], 2, "x"),
                     _f(r["mean_accepted_length"]), _pct(r["acceptance_rate"]) if r["method"] != "none" else "-",
-                    _f(r["ttft_median_s"], 3), _f(r["peak_rss_mib"], 0), lossless_cell(r["lossless"])])
+                    _f(r["ttft_median_s"], 3), _f(r["peak_rss_mib"], 0), _f(r["model_mib"], 0),
+                    lossless_cell(r["lossless"])])
     return out
 
 
@@ -103,8 +104,9 @@ def headline(result: dict) -> list[str]:
     lines = []
     b = best(rows)
     if b:
-        lines.append(f"best: {b['variant']} on {top_dataset(rows)}: {_f(b['speedup']['median'], 2, 'x')} median speedup, "
-                     f"{_f(b['tokens_per_second_median'])} tok/s, {_f(b['mean_accepted_length'])} tokens per target pass")
+        lines.append(f"best: {b['variant']} on {top_dataset(rows)}: {_f(b['speedup']['median'], 2, 'x')} median "
+                     f"speedup, {_f(b['tokens_per_second_median'])} tok/s, "
+                     f"{_f(b['mean_accepted_length'])} tokens per target pass")
     peers = (result.get("peers") or {}).get("summary") or []
     top = [p for p in peers if p["dataset"] == top_dataset(rows)]
     if top and b:
@@ -140,10 +142,12 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, "
         f"{_f(m.get('memory_gib'), 0)} GiB; torch {result['versions']['torch']}",
         f"- started {result['started_at']}, took {result['duration_s'] / 60:.1f} min", "",
-        *[f"**{line}**" for line in headline(result)], "",
+        *[x for line in headline(result) for x in (f"**{line}**", "")],
         "## Summary", "", md_table(MAIN_HEADERS, main_rows(rows, categories=False)), "",
         "Speedup: median over requests of the variant's tokens/s over `none`'s on the same request, run back to "
-        "back. acc. len: tokens per target pass (bonus token included). Lossless: greedy runs compared with "
+        "back. acc. len: tokens per target pass (bonus token included). RSS: the process's peak resident "
+        "memory while the variant ran (every engine of the run is loaded); own: the weights and KV caches that "
+        "variant needs alone. Lossless: greedy runs compared with "
         "`none` token for token (at a divergence, the target's top-2 logit margin), or the per-position TV "
         "distance against its sampling null.", "",
         "## By category", "", md_table(MAIN_HEADERS, main_rows(rows, categories=True)), "",
@@ -199,13 +203,15 @@ def plot_speedup(rows: list[dict], path: Path) -> bool:
 
 
 def plot_acceptance(rows: list[dict], path: Path) -> bool:
-    top = [r for r in rows if r["category"] == ALL and r["dataset"] == top_dataset(rows) and r["acceptance_by_position"]]
+    top = [r for r in rows
+           if r["category"] == ALL and r["dataset"] == top_dataset(rows) and r["acceptance_by_position"]]
     if not top:
         return False
     fig, ax = _figure()
     for r in top:
         xs = list(range(1, len(r["acceptance_by_position"]) + 1))
         ax.plot(xs, r["acceptance_by_position"], marker="o", label=r["variant"])
+    ax.set_xticks(range(1, max(len(r["acceptance_by_position"]) for r in top) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
@@ -234,6 +240,7 @@ def plot_k(rows: list[dict], floor_tps: float | None, path: Path) -> bool:
         ax.axhline(none["tokens_per_second_median"], color="gray", linestyle="--", label="none")
     if floor_tps:
         ax.axhline(floor_tps, color="red", linestyle=":", label="floor (plain, bandwidth-bound)")
+    ax.set_xticks(sorted({k for pts in lines.values() for k, _ in pts}))
     ax.set_xlabel("K (num_speculative_tokens)")
     ax.set_ylabel("median tokens/s")
     ax.set_title(f"Tokens/s against K ({top_dataset(rows)})")
@@ -244,7 +251,8 @@ def plot_k(rows: list[dict], floor_tps: float | None, path: Path) -> bool:
 
 
 def plot_peers(result: dict, path: Path) -> bool:
-    peers = [p for p in ((result.get("peers") or {}).get("summary") or []) if p["dataset"] == top_dataset(result["summary"])]
+    summary = (result.get("peers") or {}).get("summary") or []
+    peers = [p for p in summary if p["dataset"] == top_dataset(result["summary"])]
     if not peers:
         return False
     labels, ours, theirs = [], [], []

@@ -47,8 +47,8 @@ SUMMARY_ROW = _obj({
 REQUEST = _obj({"id": STR, "dataset": STR, "category": STR, "prompt_id": STR, "turn": INT, "prompt_text": STR,
                 "prompt_token_ids": INTS, "num_prompt_tokens": INT})
 
-DIVERGENCE = _obj({"request": STR, "variant": STR, "position": INT, "margin": NUM, "rounding_level": {"type": "boolean"},
-                   "top1_token": INT, "top2_token": INT})
+DIVERGENCE = _obj({"request": STR, "variant": STR, "position": INT, "margin": NUM,
+                   "rounding_level": {"type": "boolean"}, "top1_token": INT, "top2_token": INT})
 
 FLOOR = _obj({"bandwidth_gb_per_s": NUM, "weight_bytes_per_token": INT, "floor_tokens_per_second": NUM,
               "none_tokens_per_second": NUM_OR_NULL, "fraction_of_floor": NUM_OR_NULL, "threads": INT})
@@ -71,7 +71,7 @@ SCHEMA = _obj({
     "tv_tests": {"type": "array"},
     "notes": {"type": "array", "items": STR},
     "duration_s": NUM, "started_at": STR,
-}, {"peers": PEERS})
+}, {"peers": PEERS, "phases": {"type": "object"}, "model_mib": {"type": "object"}})
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 

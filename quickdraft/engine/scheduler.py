@@ -28,7 +28,9 @@ class Scheduler:
         self._free_slots = list(range(num_slots - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue:
+        # A request that a free slot will take at the next ``schedule`` is not waiting for one:
+        # only the rest count against ``max_queue`` (so max_queue=0 still admits up to num_slots).
+        if len(self.waiting) >= self.max_queue + len(self._free_slots):
             raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
         self.waiting.append(seq)
 

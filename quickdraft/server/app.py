@@ -1,0 +1,391 @@
+"""The OpenAI-compatible HTTP app: routes, streaming, errors.
+
+Each generation request becomes a *group* of engine requests (one per prompt and choice) that the
+engine thread runs with everything else (``async_engine.py``). A streaming response starts only
+once the group's first output is there, so that a request that fails on its prompt pass still
+gets a real status code (500) rather than a 200 followed by an error event; a failure later in a
+stream is sent as an ``{"error": ...}`` event, which the openai client raises.
+
+A client that goes away is noticed by Starlette's disconnect listener while streaming (the
+generator is cancelled), and by polling ``Request.is_disconnected`` while a non-streaming request
+waits; either way the group is aborted and its KV slots are freed at the next engine step.
+
+Every refusal is counted in ``quickdraft:request_failure{reason}``; every accepted request ends in
+a response, an error response, or an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quickdraft import __version__
+from quickdraft.engine.scheduler import QueueFullError
+from quickdraft.engine.sequence import RequestOutput, SpecStats
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.server.async_engine import AsyncEngine, Group
+from quickdraft.server.metrics import CONTENT_TYPE
+from quickdraft.server.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
+)
+from quickdraft.server.streaming import SSE_DONE, IncrementalText, sse
+
+log = logging.getLogger("quickdraft.server")
+
+_FAILURE_BY_STATUS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "bad_request",
+                      413: "bad_request", 422: "bad_request", 429: "queue_full", 503: "shutting_down"}
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: str | None = None
+    spec_method: str = "none"
+    num_speculative_tokens: int = 0
+    retry_after_s: int = 1  # the Retry-After of a 429
+    disconnect_poll_s: float = 0.25  # how often a waiting non-streaming request checks its client
+    draining: bool = False  # set on SIGTERM: new requests get a 503 while in-flight ones finish
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop(timeout=30)
+
+    app = FastAPI(title="quickdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    api = _Api(engine, settings)
+    _add_error_handlers(app, api)
+
+    app.get("/health")(api.health)
+    app.get("/version")(api.version)
+    app.get("/metrics")(api.metrics_route)
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, api: "_Api") -> None:
+    @app.exception_handler(QuickdraftError)
+    async def _quickdraft_error(request: Request, exc: QuickdraftError):
+        return api.refuse(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return api.refuse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        api.engine.metrics.failure("error")
+        return _json_error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+def _json_error(status: int, message: str, error_type: str, param: str | None = None,
+                code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, error_type, param, code), status_code=status, headers=headers)
+
+
+class _Api:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        sched = engine.engine.scheduler
+        self.capacity = sched.num_slots + sched.max_queue  # choices one request can ever hold
+
+    # -- errors -----------------------------------------------------------------------------
+    def refuse(self, exc: QuickdraftError) -> JSONResponse:
+        """A refused request: count it and answer in OpenAI's format."""
+        status = exc.status_code
+        self.engine.metrics.failure(_FAILURE_BY_STATUS.get(status, "error"))
+        headers = dict(getattr(exc, "headers", {}) or {})
+        if isinstance(exc, QueueFullError) or status == 429:
+            headers.setdefault("Retry-After", str(self.settings.retry_after_s))
+        code = getattr(exc, "code", None)
+        return _json_error(status, exc.message, exc.error_type, exc.param, code, headers)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key provided", "authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def _parse(self, request: Request, model):
+        self._authorize(request)
+        if self.settings.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        req = parse_request(model, body)
+        if req.model not in self.settings.served_model_names:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
+                           f"{', '.join(self.settings.served_model_names)}", "not_found_error",
+                           param="model", code="model_not_found")
+        return req
+
+    # -- plain routes -----------------------------------------------------------------------
+    async def health(self) -> JSONResponse:
+        snap = dict(self.engine.snapshot)
+        if not self.engine.alive:
+            return JSONResponse({"status": "error", **snap}, status_code=503)
+        if self.settings.draining:
+            return JSONResponse({"status": "draining", **snap}, status_code=503)
+        return JSONResponse({"status": "ok", **snap})
+
+    async def version(self) -> dict:
+        return {"version": __version__}
+
+    async def metrics_route(self) -> Response:
+        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        s = self.settings
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": s.created, "owned_by": "quickdraft",
+             "root": self.engine.engine.config.model, "max_model_len": self.max_model_len,
+             "speculative": {"method": s.spec_method, "num_speculative_tokens": s.num_speculative_tokens}}
+            for name in s.served_model_names]}
+
+    # -- generation -------------------------------------------------------------------------
+    async def completions(self, request: Request):
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        vocab = self.engine.engine.model.config.vocab_size
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, list) and any(not 0 <= t < vocab for t in p):
+                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            prompts.append(self.tokenizer.encode(p) if isinstance(p, str) else p)
+        return await self._generate(request, req, prompts, chat=False)
+
+    async def chat_completions(self, request: Request):
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        messages = [m.as_template_dict() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except QuickdraftError:
+            raise
+        except Exception as e:  # a Jinja error in the model's own template, on these messages
+            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+        return await self._generate(request, req, [self.tokenizer.encode(text)], chat=True)
+
+    def _params(self, req, prompt: list[int], index: int, chat: bool) -> SamplingParams:
+        limit = req.token_limit if chat else req.max_tokens
+        if limit is None:  # chat: up to the context; completions: OpenAI's default of 16
+            limit = max(1, self.max_model_len - len(prompt)) if chat else 16
+        seed = None if req.seed is None else (req.seed + index) % 2**64  # choices differ, reproducibly
+        return SamplingParams(
+            max_tokens=limit, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
+            stop=req.stop_list(), ignore_eos=bool(req.ignore_eos),
+        )
+
+    async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
+        n = req.n or 1
+        if n * len(prompts) > self.capacity:
+            raise APIError(400, f"{n * len(prompts)} choices exceed what this server can ever hold "
+                           f"({self.capacity}: --max-num-seqs + --max-queue)", param="n")
+        for p in prompts:
+            if len(p) >= self.max_model_len:
+                raise APIError(400, f"the prompt has {len(p)} tokens, but the context holds {self.max_model_len}: "
+                               "no room is left to generate", param="messages" if chat else "prompt",
+                               code="context_length_exceeded")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        ids, flat, params = [], [], []
+        for p_index, prompt in enumerate(prompts):
+            for i in range(n):
+                ids.append(f"{rid}-{p_index * n + i}")
+                flat.append(prompt)
+                params.append(self._params(req, prompt, i, chat))
+        group = await self.engine.add(ids, flat, params)
+        self.engine.metrics.admitted(sum(len(p) for p in prompts))
+        reply = _Reply(rid, req.model, chat, sum(len(p) for p in prompts), self.settings, bool(req.return_token_ids))
+        try:
+            first = await self._next(group, request)
+        except _ClientGone:
+            self.engine.abort(group.request_ids)
+            return Response(status_code=499)  # nobody reads it
+        except BaseException:
+            self.engine.abort(group.request_ids)
+            raise
+        if _failed(first[1]):
+            self.engine.abort(group.request_ids)
+            return reply.failure(first[1])
+        if req.stream:
+            stops = [p.stop for p in params]
+            return StreamingResponse(self._stream(group, first, reply, stops, req.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._collect(request, group, first, reply)
+
+    async def _next(self, group: Group, request: Request) -> tuple[int, RequestOutput]:
+        """The group's next output; while waiting, notice a client that went away."""
+        while True:
+            try:
+                item = await asyncio.wait_for(group.queue.get(), timeout=self.settings.disconnect_poll_s)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise _ClientGone() from None
+                continue
+            if item[1].finished:
+                group.finished.add(item[0])
+            return item
+
+    async def _collect(self, request: Request, group: Group, first, reply: "_Reply"):
+        final: dict[int, RequestOutput] = {}
+        item = first
+        try:
+            while True:
+                index, out = item
+                if _failed(out):
+                    return reply.failure(out)
+                if out.finished:
+                    final[index] = out
+                if group.done:
+                    break
+                item = await self._next(group, request)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the finally below frees the slots
+        finally:
+            if not group.done:
+                self.engine.abort([r for i, r in enumerate(group.request_ids) if i not in group.finished])
+        return JSONResponse(reply.full([final[i] for i in range(len(group.request_ids))]))
+
+    async def _stream(self, group: Group, first, reply: "_Reply", stops, include_usage: bool):
+        texts = [IncrementalText(s) for s in stops]
+        final: dict[int, RequestOutput] = {}
+        try:
+            if reply.chat:
+                for i in range(len(group.request_ids)):
+                    yield sse(reply.chunk(i, "", None, include_usage, role=True))
+            item = first
+            while True:
+                index, out = item
+                if _failed(out):
+                    yield sse(reply.failure_body(out))
+                    return
+                delta = texts[index].delta(out.text, out.finished)
+                if out.finished:
+                    final[index] = out
+                if delta or out.finished or (reply.token_ids and out.new_token_ids):
+                    yield sse(reply.chunk(index, delta, out.finish_reason if out.finished else None, include_usage,
+                                          token_ids=out.new_token_ids))
+                if group.done:
+                    break
+                item = await group.queue.get()
+                if item[1].finished:
+                    group.finished.add(item[0])
+            if include_usage:
+                yield sse(reply.usage_chunk([final[i] for i in range(len(group.request_ids))]))
+            yield SSE_DONE
+        finally:
+            # A disconnect cancels this generator; abort what is left so its KV slots free at once.
+            if not group.done:
+                self.engine.abort([r for i, r in enumerate(group.request_ids) if i not in group.finished])
+
+
+def _failed(out: RequestOutput) -> bool:
+    return out.finished and out.finish_reason in ("error", "abort")
+
+
+@dataclass
+class _Reply:
+    """Builds the response bodies of one request."""
+
+    id: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    settings: ServerSettings
+    token_ids: bool = False  # return_token_ids: each choice (chunk) carries its (new) token ids
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def usage(self, outs: list[RequestOutput]) -> dict:
+        spec = SpecStats()
+        for o in outs:
+            spec.merge(o.spec)
+        completion = sum(len(o.token_ids) for o in outs)
+        s = self.settings
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "speculative": {"method": s.spec_method, "num_speculative_tokens": s.num_speculative_tokens,
+                                "num_drafts": spec.drafts_per_position[0] if spec.drafts_per_position else 0,
+                                **spec.to_dict()}}
+
+    def full(self, outs: list[RequestOutput]) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                        "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
+        else:
+            choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+                       for i, o in enumerate(outs)]
+        if self.token_ids:
+            for choice, o in zip(choices, outs):
+                choice["token_ids"] = o.token_ids
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": self.usage(outs)}
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, include_usage: bool, role: bool = False,
+              token_ids: list[int] | None = None) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.token_ids and not role:
+            choice["token_ids"] = token_ids or []
+        body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage(outs)}
+
+    def failure_body(self, out: RequestOutput) -> dict:
+        if out.finish_reason == "abort":  # only a server stop aborts a request whose client is still there
+            return error_body(503, "the server stopped before this request finished", "service_unavailable")
+        return error_body(500, f"the request failed: {out.error or 'unknown error'}", "internal_error")
+
+    def failure(self, out: RequestOutput) -> JSONResponse:
+        body = self.failure_body(out)
+        return JSONResponse(body, status_code=body["error"]["code"])

@@ -1,0 +1,195 @@
+"""The Engine in one thread of its own, driven from asyncio.
+
+The Engine is not thread safe, so exactly one thread (the *engine loop*) touches it. Between two
+steps the loop takes the commands that request handlers put on a thread-safe queue (add a group
+of requests, abort requests, stop), then steps once and hands every output to its request's
+``asyncio.Queue`` with ``loop.call_soon_threadsafe``. An idle loop blocks on the command queue, so
+it costs nothing while no request runs.
+
+A *group* is what one HTTP request asks for: ``n`` choices of one or more prompts, each an engine
+request of its own. A group is admitted whole or not at all (a full queue refuses all of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from quickdraft.engine.engine import Engine
+from quickdraft.engine.sequence import RequestOutput
+from quickdraft.sampling import SamplingParams
+from quickdraft.server.metrics import ServerMetrics
+
+log = logging.getLogger("quickdraft.server")
+
+
+@dataclass
+class Group:
+    """The engine requests of one HTTP request; ``queue`` receives ``(index, RequestOutput)``."""
+
+    request_ids: list[str]
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    admitted: asyncio.Future | None = None  # resolved by the engine thread: None or the exception
+    finished: set[int] = field(default_factory=set)  # indices done (any reason); event loop only
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+
+@dataclass
+class _Add:
+    group: Group
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._groups: dict[str, tuple[Group, int]] = {}  # request id -> (group, index); engine thread only
+        self._thread: threading.Thread | None = None
+        sched = engine.scheduler
+        self.snapshot = {"running": 0, "waiting": 0, "free_slots": sched.num_free_slots, "max_num_seqs": sched.num_slots}
+
+    # -- the event loop's side --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort whatever still runs (a drain has already waited for it), then end the thread."""
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams]) -> Group:
+        """Queue a group; raises what ``Engine.add_request`` raised (QuickdraftError: 400, 429)."""
+        loop = asyncio.get_running_loop()
+        group = Group(request_ids, prompts, params, loop, admitted=loop.create_future())
+        self._commands.put(_Add(group))
+        try:
+            error = await group.admitted
+        except asyncio.CancelledError:  # the client left while the group was being admitted
+            self.abort(request_ids)
+            raise
+        if error is not None:
+            raise error
+        return group
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests; their KV slots are free after the engine's current step."""
+        if request_ids:
+            self._commands.put(_Abort(list(request_ids)))
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                # Block while idle; between steps take everything that is there.
+                cmd = self._commands.get() if not engine.has_unfinished() else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd is _STOP:
+                    self._abort_all("abort", None)
+                    return
+                self._apply(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if engine.has_unfinished():
+                self._step()
+            self._publish()
+
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            self._admit(cmd.group)
+        elif isinstance(cmd, _Abort):
+            for rid in cmd.request_ids:
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._deliver(out)
+
+    def _admit(self, group: Group) -> None:
+        added: list[str] = []
+        error: BaseException | None = None
+        try:
+            for rid, prompt, params in zip(group.request_ids, group.prompts, group.params):
+                self.engine.add_request(prompt, params, rid)
+                added.append(rid)
+        except Exception as e:  # QuickdraftError (a 4xx), or a bug: either way nothing stays queued
+            error = e
+            for rid in added:
+                self.engine.abort_request(rid)
+        else:
+            for i, rid in enumerate(added):
+                self._groups[rid] = (group, i)
+        group.loop.call_soon_threadsafe(_resolve, group.admitted, error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug in the engine: fail what runs rather than hang every client
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            self._abort_all("error", f"internal error: {type(e).__name__}: {e}")
+            return
+        sched = self.engine.scheduler
+        self.metrics.record_step(self.engine.stats, outputs, len(sched.running), len(sched.waiting))
+        for out in outputs:
+            self._deliver(out, counted=True)  # record_step counted the finished ones
+
+    def _deliver(self, out: RequestOutput, counted: bool = False) -> None:
+        if out.finished and not counted:
+            self.metrics.finished(out)
+        entry = self._groups.pop(out.request_id, None) if out.finished else self._groups.get(out.request_id)
+        if entry is None:
+            return
+        group, index = entry
+        try:
+            group.loop.call_soon_threadsafe(group.queue.put_nowait, (index, out))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _abort_all(self, reason: str, error: str | None) -> None:
+        sched = self.engine.scheduler
+        for seq in list(sched.running) + list(sched.waiting):
+            out = self.engine.abort_request(seq.request_id)
+            if out is not None:
+                out.finish_reason, out.error = reason, error
+                self._deliver(out)
+        self._publish()
+
+    def _publish(self) -> None:
+        sched = self.engine.scheduler
+        running, waiting = len(sched.running), len(sched.waiting)
+        self.snapshot = {"running": running, "waiting": waiting, "free_slots": sched.num_free_slots,
+                         "max_num_seqs": sched.num_slots}
+        self.metrics.set_queue(running, waiting)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(error)

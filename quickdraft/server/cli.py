@@ -1,0 +1,113 @@
+"""``quickdraft serve``: the model and speculative flags of ``quickdraft generate``, plus the
+server's own (named like ``vllm serve``'s).
+
+SIGTERM drains: the listening socket closes (new connections are refused, a request that still
+arrives on an open connection gets a 503), the requests in flight run to their end, then the
+process exits with status 0. A second SIGINT (Ctrl+C) quits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+
+import uvicorn
+
+from quickdraft.cli import add_model_args
+
+# Speculation turns off for a step with at least this many running sequences, unless
+# --speculative-disable-by-batch-size or the JSON key says otherwise. Measured with
+# quickdraft/server/loadgen.py (README-serving.md): on this 2-core CPU, SmolLM2-135M with ngram
+# K=4 loses to plain decoding from 8 concurrent streams on.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+def register(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $QUICKDRAFT_API_KEY)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoding at once (KV-cache slots)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot; past this a request gets 429 with Retry-After")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients send as 'model' (default: --model)")
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="turn speculation off for a step whose running batch has at least this many sequences "
+                        f"(0: never; default: the JSON key, else {DEFAULT_DISABLE_BY_BATCH_SIZE})")
+    s.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="on SIGTERM, wait at most this many seconds for requests in flight (default: no limit)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", action="store_true")
+    s.set_defaults(func=serve)
+
+
+def speculative_config(args):
+    from quickdraft.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    flag = args.speculative_disable_by_batch_size
+    if flag is not None:
+        return dataclasses.replace(spec, disable_by_batch_size=flag or None)
+    if spec.enabled and spec.disable_by_batch_size is None and not _json_sets_threshold(args.speculative_config):
+        return dataclasses.replace(spec, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE)
+    return spec
+
+
+def _json_sets_threshold(raw) -> bool:
+    import json
+
+    try:
+        return isinstance(raw, str) and "disable_by_batch_size" in json.loads(raw)
+    except ValueError:
+        return False
+
+
+def serve(args) -> int:
+    from quickdraft.config import EngineConfig
+    from quickdraft.engine.engine import Engine
+    from quickdraft.errors import ConfigError
+    from quickdraft.server.app import ServerSettings, build_app
+    from quickdraft.server.async_engine import AsyncEngine
+    from quickdraft.server.metrics import ServerMetrics
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}", "max_queue")
+    spec = speculative_config(args)
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, speculative=spec)
+    engine = Engine(config)
+    names = args.served_model_name or [args.model]
+    k = spec.num_speculative_tokens if spec.enabled else 0
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY"),
+                              spec_method=spec.method, num_speculative_tokens=k)
+    app = build_app(AsyncEngine(engine, ServerMetrics(names[0], k)), settings)
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                        access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
+    server = DrainingServer(uv, settings)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    logging.getLogger("quickdraft.server").info(
+        "serving %s as %s on http://%s:%d (speculative: %s, K=%d, off from batch %s; %d slots, queue %d)",
+        args.model, names, args.host, args.port, spec.method, k, spec.disable_by_batch_size,
+        args.max_num_seqs, args.max_queue)
+    # uvicorn re-raises the signal it caught once it has shut down; with this no-op as the handler
+    # it restores, a drained SIGTERM ends in a normal return (exit status 0), not death by signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server, which also marks the app as draining when a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, settings):
+        super().__init__(config)
+        self.settings = settings
+
+    def handle_exit(self, sig, frame) -> None:
+        self.settings.draining = True
+        super().handle_exit(sig, frame)

@@ -1,0 +1,224 @@
+"""OpenAI request schemas (completions, chat completions) and the error format.
+
+Requests are validated strictly: a field of the wrong JSON type (``"max_tokens": "5"``,
+``"n": 1.5``, ``"stream": 1``) is a 400 naming the field, not a silent coercion, and so is a field
+we do not know (OpenAI answers "Unrecognized request argument"). A few OpenAI fields that change
+nothing here are accepted and ignored (``IGNORED``); a few we do not implement are accepted only at
+their no-op value and otherwise declined with a 400 that says so (``logprobs``, penalties, ``echo``,
+``tools``...). ``top_k`` and ``ignore_eos`` are extensions, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quickdraft.errors import QuickdraftError
+
+MAX_N = 64
+MAX_STOP = 16
+
+IGNORED = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+           "parallel_tool_calls")
+
+
+class APIError(QuickdraftError):
+    """An error answered in OpenAI's format with this status (and optional extra headers)."""
+
+    def __init__(self, status_code: int, message: str, error_type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message, param)
+        self.status_code = status_code
+        self.error_type = error_type
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(status_code: int, message: str, error_type: str, param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param,
+                      "code": code if code is not None else status_code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's; accepted, not used
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None  # vLLM's extension: token ids in every choice / chunk
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # accepted and ignored (IGNORED)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    def stop_list(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"stop takes at most {MAX_STOP} strings, got {len(stop)}", param="stop")
+        if any(s == "" for s in stop):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return tuple(stop)
+
+    def check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported by quickdraft (only 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by quickdraft", param="logit_bias")
+        self.stop_list()
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs is not supported by quickdraft: the verifier does not keep the "
+                           "target's distribution of emitted tokens", param="logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported by quickdraft", param="echo")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(400, "best_of is not supported by quickdraft (only best_of == n)", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by quickdraft", param="suffix")
+        p = self.prompt
+        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as text or token ids, one per batch entry."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs is not supported by quickdraft: the verifier does not keep the "
+                           "target's distribution of emitted tokens", param="logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported by quickdraft", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice is not supported by quickdraft", param="tool_choice")
+        if self.response_format and self.response_format.get("type") not in ("text", None):
+            raise APIError(400, "response_format other than text is not supported by quickdraft",
+                           param="response_format")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+_UNION_HINTS = {
+    "prompt": "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "stop must be a string or a list of strings",
+    "content": "content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
+def parse_request(model: type[_Strict], body: Any) -> _Strict:
+    """Validate a decoded JSON body; any problem becomes an APIError 400 naming the field."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        message, param = _describe(e)
+        raise APIError(400, message, param=param) from None
+    req.check()
+    return req
+
+
+def _describe(e: ValidationError) -> tuple[str, str]:
+    """(message, param) of the first problem, in words a client can act on."""
+    errors = e.errors(include_url=False)
+    extra = [".".join(map(str, x["loc"])) for x in errors if x["type"] == "extra_forbidden"]
+    if extra:
+        return f"unrecognized request argument(s): {', '.join(extra)}", extra[0]
+    err = errors[0]
+    loc = [str(x) for x in err["loc"]]
+    # A union reports one error per member, with the member's type in loc ("str", "list[int]",
+    # "TextPart"): keep only field names (snake_case) and list indices.
+    field_path = [x for x in loc if x not in _TYPE_TAGS and "[" not in x and "-" not in x and not x[:1].isupper()]
+    param = ".".join(field_path)
+    last_name = next((x for x in reversed(field_path) if not x.isdigit()), param)
+    if len(errors) > 1 and last_name in _UNION_HINTS and all(str(x["loc"][0]) == loc[0] for x in errors):
+        return _UNION_HINTS[last_name], param
+    if err["type"] == "missing":
+        return f"{param} is required", param
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    return f"{param}: {err['msg']} (got {shown})", param

@@ -1,0 +1,139 @@
+"""The harness's pieces that need no real weights: variants, flags, the divergence margin (on a
+tiny random model), peer skipping, the peers' summary pairing."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from quickdraft.bench import cli as bench_cli
+from quickdraft.bench import peers
+from quickdraft.bench.harness import BenchConfig, Harness, Request, Variant, top2_margin, variants
+from quickdraft.config import EngineConfig
+from quickdraft.engine.engine import Engine
+from quickdraft.errors import ConfigError
+from quickdraft.models.decoder import Decoder
+from quickdraft.models.loader import LoadedModel
+from quickdraft.models.tiny import random_weights, tiny_config
+from quickdraft.sampling import SamplingParams
+
+CONFIG = tiny_config("qwen2", vocab_size=96, hidden_size=64, num_layers=2)
+TINY = LoadedModel(CONFIG, random_weights(CONFIG, seed=1, scale=2.0), None, "tiny")
+
+
+def test_variants_are_every_combination_with_none_first():
+    vs = variants(["ngram", "draft_model"], [2, 4], "d", lookup_max=[3, 4], lookup_min=[1, 4])
+    names = [v.name for v in vs]
+    assert names[0] == "none"
+    assert "ngram K=2 n=1..3" in names and "ngram K=4 n=4..4" in names
+    assert "ngram K=2 n=4..3" not in names  # min > max is no setting
+    assert names.count("draft_model K=4") == 1
+    assert len(vs) == 1 + 2 * 3 + 2
+    assert Variant("ngram", 2, 4, 1).spec(None) == {"method": "ngram", "num_speculative_tokens": 2,
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def _args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_suite_fills_in_what_the_flags_leave_out():
+    args = _args(suite="quick", max_tokens=12)
+    s = bench_cli.resolve(args)
+    assert s["model"] == bench_cli.QWEN15 and s["draft_model"] == bench_cli.QWEN05
+    assert s["max_tokens"] == 12 and s["limit"] == 2
+    c = bench_cli.build_config(s, args)
+    assert [v.name for v in c.variants] == ["none", "ngram K=4 n=1..4", "draft_model K=4"]
+    cmd = bench_cli.command_line(s, args)
+    assert "--max-tokens 12" in cmd and "--draft-model qwen2.5-coder-0.5b-instruct" in cmd
+    assert bench_cli.resolve(_args(temperature=0.8))["num_seeds"] == 32
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"methods": "none,eagle"}, "unknown method"),
+    ({"methods": "draft_model"}, "needs --draft-model"),
+    ({"peers": "vllm"}, "unknown peer"),
+    ({"datasets": "nonesuch"}, "unknown data set"),
+    ({"num_speculative_tokens": "2,x"}, "comma-separated integers"),
+    ({"num_speculative_tokens": "40"}, "num_speculative_tokens"),
+    ({"temperature": 0.5, "num_seeds": 1}, "num-seeds"),
+])
+def test_bad_flags_are_clear_errors(kw, match):
+    args = _args(**kw)
+    with pytest.raises(ConfigError, match=match):
+        bench_cli.build_config(bench_cli.resolve(args), args)
+
+
+def test_top2_margin_reads_the_targets_next_token():
+    engine = Engine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=1), target=TINY)
+    prompt = [5, 17, 33, 2, 9, 40, 41]
+    out = engine.generate_ids([prompt], [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)])[0]
+    for i in range(3):
+        m = top2_margin(engine.decoder, prompt + out.token_ids[:i])
+        assert m["top1_token"] == out.token_ids[i]
+        assert m["margin"] == m["top1_logit"] - m["top2_logit"] >= 0
+    assert m["ulp"] > 0 and isinstance(m["rounding_level"], bool)
+
+
+def test_divergences_name_the_position_and_the_margin():
+    decoder = Decoder(TINY.config, TINY.weights)
+    req = Request("x/1#1", "x", "c", "1", 1, "", [5, 17, 33])
+    block = [{"variant": "none", "repeat": 0, "token_ids": [1, 2, 3]},
+             {"variant": "ngram K=2 n=1..4", "repeat": 0, "token_ids": [1, 2, 3]},
+             {"variant": "draft_model K=2", "repeat": 0, "token_ids": [1, 7, 3]}]
+    h = Harness(BenchConfig(model="tiny", variants=[], datasets=[]), progress=False)
+    divs = h._divergences(decoder, req, block, {})
+    assert [r.get("identical_to_none") for r in block] == [True, True, False]
+    assert len(divs) == 1
+    d = divs[0]
+    assert (d["variant"], d["position"], d["none_token"], d["variant_token"]) == ("draft_model K=2", 1, 2, 7)
+    assert d["margin"] == pytest.approx(top2_margin(decoder, [5, 17, 33, 1])["margin"])
+
+
+def test_a_missing_peer_is_skipped_with_a_note(monkeypatch):
+    monkeypatch.setattr(peers, "_installed", lambda name: False)
+    notes: list[str] = []
+    cfg = BenchConfig(model="tiny", variants=[Variant("none")], datasets=[], peers=["transformers", "llama_cpp"])
+    assert peers.build(cfg, "tiny.gguf", None, {0}, notes) == []
+    assert len(notes) == 2 and all("not installed" in n and "quickdraft[peers]" in n for n in notes)
+
+
+def test_peer_summary_pairs_with_the_quickdraft_twin():
+    requests = [{"id": f"d/{i}#1", "dataset": "d", "category": "c"} for i in range(2)]
+    qd = [{"variant": v, "request": f"d/{i}#1", "repeat": 0, "tokens_per_second": tps, "token_ids": [1, 2]}
+          for v, tps in (("none", 10.0), ("ngram K=4 n=1..4", 20.0), ("ngram K=2 n=1..4", 15.0)) for i in range(2)]
+    runs = [{"request": f"d/{i}#1", "peer": "p", "method": m, "name": f"p {m}", "tokens_per_second": tps,
+             "ttft_s": 0.1, "token_ids": [1, 2] if i == 0 else [1, 3]}
+            for m, tps in (("plain", 5.0), ("prompt_lookup", 8.0)) for i in range(2)]
+    methods = [{"name": f"p {m}", "peer": "p", "method": m} for m in ("plain", "prompt_lookup")]
+    vm = {"none": {"method": "none", "k": 0}, "ngram K=4 n=1..4": {"method": "ngram", "k": 4},
+          "ngram K=2 n=1..4": {"method": "ngram", "k": 2}}
+    rows = peers.summarize(methods, runs, requests, qd, 4, vm)
+    lookup = next(r for r in rows if r["method"] == "prompt_lookup")
+    assert lookup["quickdraft_variant"] == "ngram K=4 n=1..4"
+    assert lookup["quickdraft_over_peer"] == pytest.approx(20 / 8)
+    assert lookup["speedup_over_own_plain"] == pytest.approx(8 / 5)
+    assert lookup["fraction_identical_to_quickdraft_none"] == 0.5
+
+
+def test_limit_per_data_set():
+    assert bench_cli._limits("3", ["humaneval", "mtbench"]) == {"humaneval": 3, "mtbench": 3}
+    assert bench_cli._limits("humaneval=4,mtbench=0", ["humaneval", "mtbench", "x.jsonl"]) == \
+        {"humaneval": 4, "mtbench": None, "x.jsonl": None}
+    with pytest.raises(ConfigError, match="not in --datasets"):
+        bench_cli._limits("mtbench=2", ["humaneval"])
+    with pytest.raises(ConfigError, match="name=number"):
+        bench_cli._limits("lots", ["humaneval"])
+
+
+def test_standard_suite_resolves():
+    args = _args(suite="standard")
+    c = bench_cli.build_config(bench_cli.resolve(args), args)
+    assert c.limit == {"humaneval": 4, "mtbench": 8}
+    assert len(c.variants) == 1 + 2 * 4 and c.peers == ["transformers", "llama_cpp"]

@@ -1,0 +1,34 @@
+"""Servers for the tests (see qd_server.py). Session-scoped: each configuration starts once (a few
+seconds: the weights come from the conversion cache) and is terminated at the end of the session.
+"""
+
+from __future__ import annotations
+
+import pytest
+from qd_server import ServerProcess
+
+
+def _serve(request, *extra, **kw) -> ServerProcess:
+    server = ServerProcess(*extra, **kw)
+    request.addfinalizer(server.stop)
+    return server.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def plain_server(request, smollm2_path) -> ServerProcess:
+    """No speculation, 8 slots."""
+    return _serve(request, "--max-num-seqs", "8", log_name="plain")
+
+
+@pytest.fixture(scope="session")
+def ngram_server(request, smollm2_path) -> ServerProcess:
+    """ngram K=4, speculating at every batch size (so that batching meets speculation)."""
+    return _serve(request, "--max-num-seqs", "8", "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 4}', "--speculative-disable-by-batch-size", "0",
+                  log_name="ngram")
+
+
+@pytest.fixture(scope="session")
+def small_server(request, smollm2_path) -> ServerProcess:
+    """One slot and a queue of one: for queue-full, disconnect and draining tests."""
+    return _serve(request, "--max-num-seqs", "1", "--max-queue", "1", log_name="small")

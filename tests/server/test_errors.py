@@ -1,0 +1,88 @@
+"""Bad input: each gets OpenAI's error format with the right status and a message that names the
+problem, and each is counted in ``quickdraft:request_failure_total{reason}``."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from qd_server import MAX_MODEL_LEN, MODEL
+
+pytestmark = pytest.mark.slow
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+MSG = [{"role": "user", "content": "Hi"}]
+
+# (id, path, body (dict, or raw bytes), headers override, status, message fragment, param)
+CASES = [
+    ("malformed-json", C, b'{"model": "x", "prompt": ', None, 400, "not valid JSON", None),
+    ("not-an-object", C, b"[1, 2]", None, 400, "must be a JSON object", None),
+    ("missing-prompt", C, {"model": MODEL}, None, 400, "prompt is required", "prompt"),
+    ("max-tokens-string", C, {**OK, "max_tokens": "5"}, None, 400, "valid integer", "max_tokens"),
+    ("n-float", C, {**OK, "n": 1.5}, None, 400, "valid integer", "n"),
+    ("stream-not-bool", C, {**OK, "stream": "yes"}, None, 400, "valid boolean", "stream"),
+    ("prompt-wrong-type", C, {**OK, "prompt": 42}, None, 400, "prompt must be a string", "prompt"),
+    ("unknown-field", C, {**OK, "max_tokenz": 3}, None, 400, "unrecognized request argument(s): max_tokenz",
+     "max_tokenz"),
+    ("temperature-range", C, {**OK, "temperature": 2.5}, None, 400, "less than or equal to 2", "temperature"),
+    ("top-p-zero", C, {**OK, "top_p": 0}, None, 400, "greater than 0", "top_p"),
+    ("max-tokens-zero", C, {**OK, "max_tokens": 0}, None, 400, "greater than or equal to 1", "max_tokens"),
+    ("n-zero", C, {**OK, "n": 0}, None, 400, "greater than or equal to 1", "n"),
+    ("top-k-range", C, {**OK, "top_k": -2}, None, 400, "greater than or equal to -1", "top_k"),
+    ("token-out-of-vocab", C, {**OK, "prompt": [1, 2, 10**9]}, None, 400, "token ids must lie in", "prompt"),
+    ("prompt-too-long", C, {**OK, "prompt": [17] * (MAX_MODEL_LEN + 5)}, None, 400, "the context holds", "prompt"),
+    ("too-many-stops", C, {**OK, "stop": [str(i) for i in range(17)]}, None, 400, "at most 16", "stop"),
+    ("logprobs-declined", C, {**OK, "logprobs": 2}, None, 400, "logprobs is not supported", "logprobs"),
+    ("penalty-declined", C, {**OK, "presence_penalty": 0.5}, None, 400, "presence_penalty is not supported",
+     "presence_penalty"),
+    ("stream-options-without-stream", C, {**OK, "stream_options": {"include_usage": True}}, None, 400,
+     "only allowed when stream is true", "stream_options"),
+    ("chat-empty-messages", CHAT, {"model": MODEL, "messages": []}, None, 400, "at least 1 item", "messages"),
+    ("chat-bad-role", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400,
+     "'system', 'developer', 'user', 'assistant' or 'tool'", "messages.0.role"),
+    ("chat-content-type", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, None, 400,
+     "content must be a string", "messages.0.content"),
+    ("chat-tools-declined", CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, None, 400,
+     "tools are not supported", "tools"),
+    ("unknown-model", C, {**OK, "model": "gpt-5"}, None, 404, "the model 'gpt-5' does not exist", "model"),
+    ("unknown-route", "/v1/embeddings", {**OK}, None, 404, "Not Found", None),
+    ("no-api-key", C, OK, {}, 401, "missing API key", None),
+    ("wrong-api-key", C, OK, {"Authorization": "Bearer nope"}, 401, "incorrect API key", None),
+]
+REASON = {400: "bad_request", 401: "unauthorized", 404: "not_found"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(plain_server, case):
+    _, path, body, headers, status, fragment, param = case
+    before = plain_server.metrics()
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(plain_server.url + path, headers=plain_server.headers if headers is None else headers,
+                   timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert fragment in err["message"], err
+    assert err["param"] == param
+    assert err["type"] == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}[status]
+    key = ("quickdraft:request_failure_total", (("reason", REASON[status]),))
+    assert plain_server.metrics()[key] == before[key] + 1
+
+
+def test_good_request_after_bad_ones(plain_server):
+    r = httpx.post(plain_server.url + C, json=OK, headers=plain_server.headers, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_health_version_metrics_open(plain_server):
+    assert httpx.get(plain_server.url + "/health").json()["status"] == "ok"
+    assert httpx.get(plain_server.url + "/version").json()["version"]
+    m = plain_server.metrics()  # parsed with prometheus_client.parser
+    for name in ("quickdraft:spec_decode_num_drafts_total", "quickdraft:spec_decode_num_draft_tokens_total",
+                 "quickdraft:spec_decode_num_accepted_tokens_total", "quickdraft:prompt_tokens_total",
+                 "quickdraft:generation_tokens_total", "quickdraft:num_requests_running",
+                 "quickdraft:num_requests_waiting", "quickdraft:time_to_first_token_seconds_count",
+                 "quickdraft:time_per_output_token_seconds_count", "quickdraft:e2e_request_latency_seconds_count"):
+        assert (name, ()) in m, name
+    assert ("quickdraft:request_success_total", (("finished_reason", "stop"),)) in m
+    assert ("quickdraft:request_failure_total", (("reason", "queue_full"),)) in m

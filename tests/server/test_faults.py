@@ -1,0 +1,156 @@
+"""Overload and faults against a separate server process: a full queue answers 429 with
+Retry-After; a client that disconnects (streaming or not) frees its KV slot at once; SIGTERM lets
+the requests in flight finish and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from qd_server import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+# Greedy counting: SmolLM2 keeps counting for hundreds of tokens, so these requests are still
+# running when the test acts on them (no ignore_eos needed).
+LONG = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 300, "temperature": 0}
+
+
+def _failures(server, reason: str) -> float:
+    return server.metrics()[("quickdraft:request_failure_total", (("reason", reason),))]
+
+
+async def _wait_health(server, timeout: float = 20.0, **want) -> dict:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient() as c:
+        while True:
+            h = (await c.get(server.url + "/health")).json()
+            if all(h[k] == v for k, v in want.items()):
+                return h
+            if time.monotonic() > deadline:
+                raise AssertionError(f"health never reached {want}: {h}")
+            await asyncio.sleep(0.05)
+
+
+async def _data_events(response, count: int) -> list[dict]:
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+            if len(events) >= count:
+                break
+    return events
+
+
+def test_queue_full_429_with_retry_after(small_server):
+    async def run():
+        before = _failures(small_server, "queue_full")
+        h = small_server.headers
+        async with httpx.AsyncClient(timeout=60) as a, httpx.AsyncClient(timeout=60) as b, \
+                httpx.AsyncClient(timeout=60) as c:
+            async with a.stream("POST", small_server.url + "/v1/completions", json={**LONG, "stream": True},
+                                headers=h) as ra:
+                await _data_events(ra, 1)  # A holds the only slot
+                waiting = asyncio.create_task(b.post(small_server.url + "/v1/completions", json=LONG, headers=h))
+                await _wait_health(small_server, running=1, waiting=1)  # B fills the queue of one
+                rc = await c.post(small_server.url + "/v1/completions", json=LONG, headers=h)
+                assert rc.status_code == 429, rc.text
+                assert int(rc.headers["retry-after"]) >= 1
+                err = rc.json()["error"]
+                assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
+                waiting.cancel()  # B's client leaves too
+        await _wait_health(small_server, running=0, waiting=0, free_slots=1)
+        assert _failures(small_server, "queue_full") == before + 1
+
+    asyncio.run(run())
+
+
+def test_stream_disconnect_frees_slot(small_server):
+    async def run():
+        before = _failures(small_server, "abort")
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", small_server.url + "/v1/completions", json={**LONG, "stream": True},
+                                headers=small_server.headers) as r:
+                events = await _data_events(r, 3)
+                assert all(e["choices"][0]["finish_reason"] is None for e in events)
+                h = (await c.get(small_server.url + "/health")).json()
+                assert h["running"] == 1 and h["free_slots"] == 0
+            # leaving the block closes the connection mid-stream
+            t0 = time.monotonic()
+            await _wait_health(small_server, running=0, free_slots=1, timeout=10)
+            freed_after = time.monotonic() - t0
+        assert _failures(small_server, "abort") == before + 1
+        return freed_after
+
+    freed_after = asyncio.run(run())
+    assert freed_after < 5, freed_after
+    # the slot is usable again
+    r = httpx.post(small_server.url + "/v1/completions", json={**LONG, "max_tokens": 3},
+                   headers=small_server.headers, timeout=60)
+    assert r.status_code == 200
+
+
+def test_nonstream_disconnect_frees_slot(small_server):
+    async def run():
+        before = _failures(small_server, "abort")
+        async with httpx.AsyncClient(timeout=60) as c:
+            task = asyncio.create_task(c.post(small_server.url + "/v1/completions", json=LONG,
+                                              headers=small_server.headers))
+            await _wait_health(small_server, running=1, free_slots=0)
+            task.cancel()  # the client gives up: httpx closes the connection
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        await _wait_health(small_server, running=0, free_slots=1, timeout=10)
+        assert _failures(small_server, "abort") == before + 1
+
+    asyncio.run(run())
+
+
+def test_sigterm_drains_in_flight_then_exits_0():
+    server = ServerProcess("--max-num-seqs", "2", log_name="sigterm")
+    try:
+        server.wait_ready()
+        req = {**LONG, "max_tokens": 24, "stream": True}
+
+        async def stream_one(c, out: list):
+            async with c.stream("POST", server.url + "/v1/completions", json=req, headers=server.headers) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        out.append(line[6:])
+
+        async def run():
+            outs = [[], [], []]
+            async with httpx.AsyncClient(timeout=120) as c:
+                tasks = [asyncio.create_task(stream_one(c, o)) for o in outs]
+                await _wait_health(server, running=2, waiting=1)  # two decoding, one queued
+                server.proc.send_signal(15)
+                # the listening socket closes: new connections are refused
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        async with httpx.AsyncClient(timeout=2) as fresh:
+                            await fresh.get(server.url + "/health")
+                    except httpx.TransportError:
+                        break
+                    assert time.monotonic() < deadline, "still accepting after SIGTERM"
+                    await asyncio.sleep(0.05)
+                await asyncio.gather(*tasks)
+            return outs
+
+        outs = asyncio.run(run())
+        for lines in outs:
+            assert lines[-1] == "[DONE]"
+            last = json.loads(lines[-2])
+            assert last["choices"][0]["finish_reason"] in ("stop", "length")
+            text = "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1])
+            assert text.strip()
+        assert server.proc.wait(60) == 0, server.log()
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()

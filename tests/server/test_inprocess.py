@@ -1,0 +1,86 @@
+"""The app in this process (httpx's ASGI transport), with a fault injected into the engine: a request
+whose logits turn non-finite fails alone with a 500 (or, mid-stream, an error event), and the
+request beside it runs on to the same tokens it gets alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import torch
+from qd_server import MODEL
+
+from quickdraft.config import EngineConfig
+from quickdraft.engine.engine import Engine
+from quickdraft.models.loader import load_model
+from quickdraft.server.app import ServerSettings, build_app
+from quickdraft.server.async_engine import AsyncEngine
+from quickdraft.server.metrics import ServerMetrics
+
+pytestmark = pytest.mark.slow
+
+POISON_AT_PROMPT = [5, 5, 5, 7, 100, 200, 300]  # NaN logits on the prompt pass
+POISON_MIDWAY = [5, 5, 5, 8, 100, 200, 300]  # NaN logits once 3 tokens are out
+NORMAL = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+
+
+def _poisoned(seq) -> bool:
+    head = seq.prompt_token_ids[:4]
+    return head == POISON_AT_PROMPT[:4] or (head == POISON_MIDWAY[:4] and len(seq.output_token_ids) >= 3)
+
+
+@pytest.fixture(scope="module")
+def app(smollm2_path):
+    engine = Engine(EngineConfig(model=MODEL, dtype="float32", max_num_seqs=4, max_model_len=256),
+                    target=load_model(MODEL, torch.float32))
+    score = engine.runner._score
+
+    def poisoned_score(seqs, proposal):
+        logits = score(seqs, proposal)  # [num_draft_tokens + batch, V]
+        start = 0
+        for s, k in zip(seqs, proposal.num_tokens):
+            if _poisoned(s):
+                logits[start : start + k + 1] = float("nan")
+            start += k + 1
+        return logits
+
+    engine.runner._score = poisoned_score
+    metrics = ServerMetrics(MODEL)
+    return build_app(AsyncEngine(engine, metrics), ServerSettings(served_model_names=[MODEL])), engine
+
+
+async def _with_client(app, fn):
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            return await fn(c)
+
+
+def test_nan_fails_one_request_only(app):
+    app, engine = app
+
+    async def fn(c):
+        alone = (await c.post("/v1/completions", json=NORMAL)).json()["choices"][0]["text"]
+        bad = {**NORMAL, "prompt": POISON_AT_PROMPT}
+        normal, failed = await asyncio.gather(c.post("/v1/completions", json=NORMAL),
+                                              c.post("/v1/completions", json=bad))
+        stream_bad = await c.post("/v1/completions", json={**NORMAL, "prompt": POISON_MIDWAY, "stream": True})
+        health = (await c.get("/health")).json()
+        metrics = (await c.get("/metrics")).text
+        return alone, normal, failed, stream_bad, health, metrics
+
+    alone, normal, failed, stream_bad, health, metrics = asyncio.run(_with_client(app, fn))
+    assert normal.status_code == 200 and normal.json()["choices"][0]["text"] == alone
+    assert failed.status_code == 500
+    err = failed.json()["error"]
+    assert err["type"] == "internal_error" and "non-finite" in err["message"]
+    # mid-stream: the 200 has gone out, so the failure is an error event after some text
+    assert stream_bad.status_code == 200
+    events = [json.loads(line[6:]) for line in stream_bad.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert any(e.get("choices") and e["choices"][0]["text"] for e in events[:-1])
+    assert "non-finite" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == 500
+    assert health["free_slots"] == 4 and health["running"] == 0
+    assert 'quickdraft:request_failure_total{model_name="smollm2-135m-instruct",reason="error"} 2.0' in metrics

@@ -1,0 +1,101 @@
+"""The real ``openai`` client, sync and async, streaming and not, against ``quickdraft serve``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from qd_server import API_KEY, MODEL
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def client(ngram_server):
+    return openai.OpenAI(base_url=ngram_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient_url(ngram_server):
+    return ngram_server.url + "/v1"
+
+
+def _spec(usage) -> dict:
+    return usage.model_extra["speculative"] if usage.model_extra else usage.speculative
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["speculative"]["method"] == "ngram"
+
+
+def test_sync_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content
+    assert c.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    spec = _spec(r.usage)
+    assert spec["method"] == "ngram" and spec["num_target_passes"] >= 1
+    assert set(spec) >= {"num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_accepted_length"}
+
+
+def test_sync_completion_stream_equals_plain(client):
+    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=16, temperature=0)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_stop_and_seed(client):
+    kw = dict(model=MODEL, prompt="List: apples, pears,", max_tokens=12, temperature=1.0, top_k=50, seed=7, n=3)
+    kw["extra_body"] = {"top_k": kw.pop("top_k")}
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1  # choices use seeds seed, seed+1, ...
+    s = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"])
+    assert s.choices[0].finish_reason == "stop" and " 7" not in s.choices[0].text and s.choices[0].text
+
+
+def test_errors_are_openai_exceptions(client, ngram_server):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=5)
+    bad = openai.OpenAI(base_url=ngram_server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_async_stream_and_plain(aclient_url):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=aclient_url, api_key=API_KEY, max_retries=0, timeout=120)
+        plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True})
+        parts, roles, usage = [], [], None
+        async for ch in stream:
+            if ch.usage is not None:
+                usage = ch.usage
+            for c in ch.choices:
+                roles += [c.delta.role] if c.delta.role else []
+                parts.append(c.delta.content or "")
+        whole = await plain
+        await client.close()
+        return whole, "".join(parts), roles, usage
+
+    whole, text, roles, usage = asyncio.run(run())
+    assert roles == ["assistant"]
+    assert text == whole.choices[0].message.content
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert _spec(usage)["num_draft_tokens"] == _spec(whole.usage)["num_draft_tokens"]
