@@ -21,6 +21,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # K: draft tokens proposed per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched
     prompt_lookup_min: int = 1  # ngram: shortest n-gram matched
+    # draft_model: stop drafting for a sequence once the draft's own probability of its token
+    # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
+    # output is unchanged, it only saves draft passes whose tokens would likely be rejected. 0: off.
+    # Measured here (4 HumanEval prompts, Qwen2.5-Coder 1.5B with the 0.5B, K = 8, one run):
+    # speedup 1.39x off, 1.32x at 0.3, 1.60x at 0.5.
+    draft_confidence_threshold: float = 0.5
     # Speculation turns off for a step whose running batch has at least this many sequences:
     # verification stops being nearly free once the batch fills the matrix units (vLLM's
     # speculative disable_by_batch_size). None: never.
@@ -39,6 +45,9 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}", "prompt_lookup_min"
             )
+        t = self.draft_confidence_threshold
+        if not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+            raise ConfigError(f"draft_confidence_threshold must be in [0, 1), got {t!r}", "draft_confidence_threshold")
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {b!r}", "disable_by_batch_size")

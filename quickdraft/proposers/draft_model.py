@@ -22,8 +22,9 @@ from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, s
 
 @register("draft_model")
 class DraftModelProposer:
-    def __init__(self, draft: Decoder, num_slots: int, max_len: int):
+    def __init__(self, draft: Decoder, num_slots: int, max_len: int, confidence_threshold: float = 0.0):
         self.model = draft
+        self.threshold = confidence_threshold
         self.kv = KVCache(draft.config, num_slots, max_len, draft.dtype, draft.device)
         self._cached = [0] * num_slots
 
@@ -31,9 +32,11 @@ class DraftModelProposer:
     def from_config(cls, spec, ctx) -> "DraftModelProposer":
         draft = ctx.load_model(spec.model)
         check_same_vocabulary(ctx.target, draft)
-        return cls(Decoder(draft.config, draft.weights), ctx.num_slots, ctx.max_model_len)
+        return cls(Decoder(draft.config, draft.weights), ctx.num_slots, ctx.max_model_len,
+                   spec.draft_confidence_threshold)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
+        num_tokens = list(num_tokens)  # shortened below where the draft loses confidence
         active = [i for i, k in enumerate(num_tokens) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -45,11 +48,14 @@ class DraftModelProposer:
                 break
             logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), V]
             tokens, q = self._sample([seqs[i] for i in active], logits, sampled)
+            confident = self._confident(logits, tokens)  # [len(active)] bool
             for row, i in enumerate(active):
                 drafts[i].append(int(tokens[row]))
                 if q is not None:
                     probs[i].append(q[row])
                 feed[i] = [int(tokens[row])]
+                if not confident[row]:
+                    num_tokens[i] = step + 1  # this token is proposed, no more after it
         flat = [t for d in drafts for t in d]
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
@@ -75,6 +81,14 @@ class DraftModelProposer:
         uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
         tokens = torch.where(batch.greedy, logits.argmax(-1), sample_from_probs(q, uniforms))
         return tokens, q
+
+    def _confident(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[bool]:
+        """[n] whether the draft's probability of its own token (at temperature 1) clears the
+        threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
+        if self.threshold <= 0.0:
+            return [True] * logits.shape[0]
+        p = torch.softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).squeeze(1)
+        return (p >= self.threshold).tolist()
 
     def observe(self, seqs, outcome) -> None:
         # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.

@@ -82,6 +82,17 @@ def test_batch_composition_changes_nothing(plain):
     assert [o.token_ids for o in outs] == [plain[0], plain[1][:9], plain[2][:17]]
 
 
+@pytest.mark.parametrize("threshold", [0.8, 0.95])
+def test_confidence_cutoff_changes_only_the_speed(plain, threshold):
+    spec = {"method": "draft_model", "model": DRAFTS["between"], "num_speculative_tokens": 6,
+            "draft_confidence_threshold": threshold}
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    outs, stats = run(spec, PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    full, _ = run({**spec, "draft_confidence_threshold": 0.0}, PROMPTS, params)
+    assert stats.num_draft_tokens < sum(o.spec.num_draft_tokens for o in full)  # drafts were cut short
+
+
 def test_ngram_greedy_equals_plain(plain):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
