@@ -25,7 +25,7 @@ QWEN15, QWEN05 = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 DEFAULTS = {
     "model": "smollm2-135m-instruct", "draft_model": None, "datasets": "humaneval", "limit": 10,
     "categories": None, "max_tokens": 128, "temperature": 0.0, "seed": 0, "num_seeds": None, "repeats": 1,
-    "methods": "none,ngram", "num_speculative_tokens": "4", "prompt_lookup_max": "4", "prompt_lookup_min": "1",
+    "methods": "none,ngram", "num_speculative_tokens": "4", "prompt_lookup_max": "4", "prompt_lookup_min": "2",
     "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
 }
 SUITES = {

@@ -78,7 +78,8 @@ class Runner:
         for k in num_tokens:
             good = bool(finite[start : start + k + 1].all())
             if not good:
-                logits[start : start + k + 1] = 0.0
+                with torch.inference_mode():  # the decoder's logits are inference tensors
+                    logits[start : start + k + 1] = 0.0
             ok.append(good)
             start += k + 1
         return ok

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.kernels import bf16_linear
+from quickdraft.models.quant import Int8Weight, int8_matmul, quantize_weights
 from quickdraft.models.kernels import bf16_linear
+from quickdraft.models.quant import Int8Weight, int8_matmul, quantize_weights
 
 ROW_MULTIPLE = 4
 MAX_ROW_BY_ROW = 32  # a chain of at most this many new tokens attends row by row (see _attention)
@@ -75,10 +77,13 @@ def _bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)[:, :rows]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight[out, in].T (+ bias) -> [n, out], batch invariant: bfloat16 on a CPU with
     AVX512-BF16 takes our kernel (invariant by construction, and faster: see kernels/); anything
-    else takes torch's linear with the rows padded to a multiple of ROW_MULTIPLE."""
+    else takes torch's linear with the rows padded to a multiple of ROW_MULTIPLE. An Int8Weight
+    (draft models only, models/quant.py) takes the int8 kernel."""
+    if isinstance(weight, Int8Weight):
+        return int8_matmul(x, weight, bias)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[1] % 32 == 0 and weight.is_contiguous():
         kernel = bf16_linear()
         if kernel is not None:
@@ -117,16 +122,21 @@ class Rotary:
 class Decoder:
     """The target (or draft) model. ``weights`` uses Hugging Face names (ModelConfig.weight_names)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], quantize: str | None = None):
+        """``quantize="int8"``: weight-only int8 projections (for a draft model; see quant.py)."""
         missing = [n for n in config.weight_names() if n not in weights]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.config = config
-        self.w = weights
         embed = weights["model.embed_tokens.weight"]
         self.device = embed.device
         self.dtype = embed.dtype
         self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        if quantize == "int8":
+            weights, self.lm_head = quantize_weights(weights, self.lm_head)
+        elif quantize is not None:
+            raise ValueError(f"unknown quantization {quantize!r}; supported: int8")
+        self.w = weights
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings, self.device)
         self.scale = config.head_dim**-0.5
 
@@ -136,10 +146,9 @@ class Decoder:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decoding step reads (embedding rows excluded: one row per token)."""
-        total = sum(t.numel() * t.element_size() for n, t in self.w.items() if n != "model.embed_tokens.weight")
-        if self.config.tie_word_embeddings:
-            total += self.lm_head.numel() * self.lm_head.element_size()
-        return total
+        skip = ("model.embed_tokens.weight", "lm_head.weight")
+        total = sum(t.numel() * t.element_size() for n, t in self.w.items() if n not in skip)
+        return total + self.lm_head.numel() * self.lm_head.element_size()
 
     @torch.inference_mode()
     def forward(

@@ -16,6 +16,7 @@ import torch
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.models.quant import quantizable
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
@@ -32,8 +33,11 @@ class DraftModelProposer:
     def from_config(cls, spec, ctx) -> "DraftModelProposer":
         draft = ctx.load_model(spec.model)
         check_same_vocabulary(ctx.target, draft)
-        return cls(Decoder(draft.config, draft.weights), ctx.num_slots, ctx.max_model_len,
-                   spec.draft_confidence_threshold)
+        quantize = spec.quantization
+        if quantize == "auto":
+            quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 else None
+        return cls(Decoder(draft.config, draft.weights, quantize=quantize), ctx.num_slots,
+                   ctx.max_model_len, spec.draft_confidence_threshold)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)  # shortened below where the draft loses confidence

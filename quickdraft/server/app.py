@@ -253,13 +253,18 @@ class _Api:
         return await self._collect(request, group, first, reply)
 
     async def _next(self, group: Group, request: Request) -> tuple[int, RequestOutput]:
-        """The group's next output; while waiting, notice a client that went away."""
+        """The group's next output; meanwhile, every ``disconnect_poll_s``, check that the client
+        is still there (outputs may arrive faster than that, so the check is by the clock)."""
+        poll = self.settings.disconnect_poll_s
         while True:
-            try:
-                item = await asyncio.wait_for(group.queue.get(), timeout=self.settings.disconnect_poll_s)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now - group.last_disconnect_check >= poll:
+                group.last_disconnect_check = now
                 if await request.is_disconnected():
-                    raise _ClientGone() from None
+                    raise _ClientGone()
+            try:
+                item = await asyncio.wait_for(group.queue.get(), timeout=poll)
+            except asyncio.TimeoutError:
                 continue
             if item[1].finished:
                 group.finished.add(item[0])

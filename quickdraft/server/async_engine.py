@@ -38,6 +38,7 @@ class Group:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted: asyncio.Future | None = None  # resolved by the engine thread: None or the exception
     finished: set[int] = field(default_factory=set)  # indices done (any reason); event loop only
+    last_disconnect_check: float = 0.0  # time.monotonic() of the app's last look at the client
 
     @property
     def done(self) -> bool:
@@ -128,10 +129,10 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             self._admit(cmd.group)
         elif isinstance(cmd, _Abort):
-            for rid in cmd.request_ids:
-                out = self.engine.abort_request(rid)
-                if out is not None:
-                    self._deliver(out)
+            outs = [o for o in map(self.engine.abort_request, cmd.request_ids) if o is not None]
+            self._publish()
+            for out in outs:
+                self._deliver(out)
 
     def _admit(self, group: Group) -> None:
         added: list[str] = []
@@ -158,6 +159,7 @@ class AsyncEngine:
             return
         sched = self.engine.scheduler
         self.metrics.record_step(self.engine.stats, outputs, len(sched.running), len(sched.waiting))
+        self._publish()  # before the outputs go out: a client that saw its end sees its slot free
         for out in outputs:
             self._deliver(out, counted=True)  # record_step counted the finished ones
 

@@ -3,7 +3,7 @@
 Requests are validated strictly: a field of the wrong JSON type (``"max_tokens": "5"``,
 ``"n": 1.5``, ``"stream": 1``) is a 400 naming the field, not a silent coercion, and so is a field
 we do not know (OpenAI answers "Unrecognized request argument"). A few OpenAI fields that change
-nothing here are accepted and ignored (``IGNORED``); a few we do not implement are accepted only at
+nothing here are accepted and ignored (``user``, ``metadata``, ``store``...); a few we do not implement are accepted only at
 their no-op value and otherwise declined with a 400 that says so (``logprobs``, penalties, ``echo``,
 ``tools``...). ``top_k`` and ``ignore_eos`` are extensions, as in vLLM.
 """
@@ -18,9 +18,6 @@ from quickdraft.errors import QuickdraftError
 
 MAX_N = 64
 MAX_STOP = 16
-
-IGNORED = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-           "parallel_tool_calls")
 
 
 class APIError(QuickdraftError):
@@ -66,7 +63,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # accepted and ignored (IGNORED)
+    # accepted and ignored: they change nothing here
     user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -12,6 +12,7 @@ import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.models.loader import load_model
+from quickdraft.models.quant import Int8Weight
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -53,6 +54,17 @@ def test_self_draft_accepts_everything(target, plain):
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert llm.engine.stats.acceptance_rate == 1.0
+
+
+def test_int8_draft_changes_only_the_speed(target, plain):
+    """A quantized draft proposes differently; the target's verification keeps the output."""
+    dtype, model = target
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4,
+                                         "quantization": "int8"}, dtype=dtype)
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == plain
+    assert isinstance(llm.engine.proposer.model.lm_head, Int8Weight)
+    assert llm.engine.stats.acceptance_rate > 0.5
 
 
 def test_batched_equals_alone(target, plain):

@@ -1,0 +1,45 @@
+"""The hand-written CPU kernels against plain float arithmetic. Where the CPU has the instructions,
+the kernels must build: a silent fallback would make a fast machine slow without a word."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.models.kernels import _cpu_has, bf16_linear, int8_linear
+from quickdraft.models.quant import Int8Weight, int8_matmul
+
+HAS_ISA = _cpu_has("avx512f", "avx512_bf16", "avx512bw", "avx512_vnni")
+
+
+def test_kernels_build_where_the_cpu_can_run_them():
+    if not HAS_ISA:
+        pytest.skip("this CPU lacks AVX512-BF16 / VNNI: torch's linear is used")
+    assert bf16_linear() is not None and int8_linear() is not None
+
+
+@pytest.mark.skipif(not HAS_ISA, reason="no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("n,k", [(96, 64), (1000, 896), (130, 1536)])
+def test_bf16_kernel_matches_float_reference(rows, n, k):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    ref = x.float() @ w.float().T + b.float()
+    y = bf16_linear()(x, w, b)
+    # float32 accumulation in another order, then one rounding to bfloat16 (2^-8 relative)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert torch.allclose(y.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_int8_matmul_is_close_to_the_dequantized_weights(rows):
+    """Activations are quantized per row to int8 as well: agreement to ~1% of the output scale."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 896, generator=g).to(torch.bfloat16)
+    w = Int8Weight.quantize(torch.randn(300, 896, generator=g))
+    ref = x.float() @ w.dequantize(torch.float32).T
+    y = int8_matmul(x, w, None).float()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 0.02
+    assert w.q.dtype == torch.int8 and torch.equal(w.qsum, w.q.sum(1, dtype=torch.int32))
