@@ -49,8 +49,8 @@ def test_ngram_equals_plain(target, plain, spec):
 def test_self_draft_accepts_everything(target, plain):
     """The model as its own draft: every draft token accepted, output unchanged."""
     dtype, model = target
-    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4},
-              dtype=dtype)
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4,
+                                         "quantization": None, "draft_confidence_threshold": 0.0}, dtype=dtype)
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert llm.engine.stats.acceptance_rate == 1.0
