@@ -35,13 +35,14 @@ async def _wait_health(server, timeout: float = 20.0, **want) -> dict:
             await asyncio.sleep(0.05)
 
 
-async def _data_events(response, count: int) -> list[dict]:
+async def _data_events(lines, count: int) -> list[dict]:
+    """The next ``count`` events from ``lines`` (a response's ``aiter_lines()``, kept by the caller:
+    an abandoned line iterator closes the connection when it is collected)."""
     events = []
-    async for line in response.aiter_lines():
+    while len(events) < count:
+        line = await lines.__anext__()
         if line.startswith("data: ") and line != "data: [DONE]":
             events.append(json.loads(line[6:]))
-            if len(events) >= count:
-                break
     return events
 
 
@@ -53,7 +54,8 @@ def test_queue_full_429_with_retry_after(small_server):
                 httpx.AsyncClient(timeout=60) as c:
             async with a.stream("POST", small_server.url + "/v1/completions", json={**LONG, "stream": True},
                                 headers=h) as ra:
-                await _data_events(ra, 1)  # A holds the only slot
+                a_lines = ra.aiter_lines()
+                await _data_events(a_lines, 1)  # A holds the only slot
                 waiting = asyncio.create_task(b.post(small_server.url + "/v1/completions", json=LONG, headers=h))
                 await _wait_health(small_server, running=1, waiting=1)  # B fills the queue of one
                 rc = await c.post(small_server.url + "/v1/completions", json=LONG, headers=h)
@@ -74,7 +76,8 @@ def test_stream_disconnect_frees_slot(small_server):
         async with httpx.AsyncClient(timeout=60) as c:
             async with c.stream("POST", small_server.url + "/v1/completions", json={**LONG, "stream": True},
                                 headers=small_server.headers) as r:
-                events = await _data_events(r, 3)
+                lines = r.aiter_lines()
+                events = await _data_events(lines, 3)
                 assert all(e["choices"][0]["finish_reason"] is None for e in events)
                 h = (await c.get(small_server.url + "/health")).json()
                 assert h["running"] == 1 and h["free_slots"] == 0

@@ -14,7 +14,9 @@ from qd_server import MODEL
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
-from quickdraft.models.loader import load_model
+from quickdraft.models.loader import LoadedModel, load_model
+from quickdraft.models.tiny import random_weights, tiny_config
+from quickdraft.sampling import SamplingParams
 from quickdraft.server.app import ServerSettings, build_app
 from quickdraft.server.async_engine import AsyncEngine
 from quickdraft.server.metrics import ServerMetrics
@@ -38,11 +40,12 @@ def app(smollm2_path):
     score = engine.runner._score
 
     def poisoned_score(seqs, proposal):
-        logits = score(seqs, proposal)  # [num_draft_tokens + batch, V]
+        logits = score(seqs, proposal)  # [num_draft_tokens + batch, V], an inference tensor as in real runs
         start = 0
         for s, k in zip(seqs, proposal.num_tokens):
             if _poisoned(s):
-                logits[start : start + k + 1] = float("nan")
+                with torch.inference_mode():
+                    logits[start : start + k + 1] = float("nan")
             start += k + 1
         return logits
 
@@ -84,3 +87,30 @@ def test_nan_fails_one_request_only(app):
     assert "non-finite" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == 500
     assert health["free_slots"] == 4 and health["running"] == 0
     assert 'quickdraft:request_failure_total{model_name="smollm2-135m-instruct",reason="error"} 2.0' in metrics
+
+
+def test_engine_nan_fails_only_that_sequence():
+    """The engine alone, a tiny random model: NaN logits in one row of the batch end that sequence
+    with finish_reason "error" and leave its neighbour's tokens as they are alone."""
+    config = tiny_config("llama", vocab_size=64, hidden_size=32, num_layers=1)
+    tiny = LoadedModel(config, random_weights(config, seed=0), None, "tiny")
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def engine(poison: bool) -> Engine:
+        e = Engine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=2), target=tiny)
+        logits = e.decoder.logits
+
+        def nan_first_row(hidden):
+            out = logits(hidden)
+            if poison and out.shape[0] == 2:  # the first sequence's row, while both run
+                with torch.inference_mode():
+                    out[0] = float("nan")
+            return out
+
+        e.decoder.logits = nan_first_row
+        return e
+
+    alone = engine(False).generate_ids([[4, 5, 6]], [p])[0].token_ids
+    outs = engine(True).generate_ids([[1, 2, 3], [4, 5, 6]], [p, p])
+    assert outs[0].finish_reason == "error" and "non-finite" in outs[0].error and outs[0].token_ids == []
+    assert outs[1].finish_reason == "length" and outs[1].token_ids == alone
