@@ -77,3 +77,26 @@ def test_decoder_chunked_equals_token_by_token(dtype, arch, heads, kv_heads, chu
         out.append(m.logits(m.forward(batch, meta.positions("cpu"), kv, meta))[:n])
         i += n
     assert torch.equal(torch.cat(out), ref)
+
+
+def test_tree_mask_scores_each_branch_as_its_own_chain():
+    """A token tree (root -> a, root -> b) in one pass: each leaf's logits equal those of its own
+    chain. The tree path takes one masked matmul over all rows, so equality is to float32
+    rounding (1e-5), not bit for bit; chains, which is what the engine verifies today, are exact."""
+    c = tiny_config("qwen2", num_layers=2)
+    m = Decoder(c, random_weights(c, 0, torch.float32))
+    prefix, root, a, b = [3, 14, 15], 9, 26, 53
+    kv = KVCache(c, 3, 32, torch.float32)
+
+    def chain(slot, toks):
+        meta = AttentionMetadata.chain([slot], [0], [len(toks)])
+        return m.logits(m.forward(torch.tensor(toks), meta.positions("cpu"), kv, meta))[-1]
+
+    want_a, want_b = chain(0, prefix + [root, a]), chain(1, prefix + [root, b])
+    n = len(prefix)
+    mask = torch.ones(n + 3, n + 3, dtype=torch.bool).tril()
+    mask[n + 2, n + 1] = False  # b does not see its sibling a
+    meta = AttentionMetadata([2], [0], [n + 3], [mask])
+    positions = torch.tensor(list(range(n + 2)) + [n + 1])  # a and b share a position
+    got = m.logits(m.forward(torch.tensor(prefix + [root, a, b]), positions, kv, meta))
+    assert torch.allclose(got[n + 1], want_a, atol=1e-5) and torch.allclose(got[n + 2], want_b, atol=1e-5)
