@@ -20,9 +20,10 @@ from quickdraft.cli import add_model_args
 
 # Speculation turns off for a step with at least this many running sequences, unless
 # --speculative-disable-by-batch-size or the JSON key says otherwise. Measured with
-# quickdraft/server/loadgen.py (README-serving.md): on this 2-core CPU, SmolLM2-135M with ngram
-# K=4 loses to plain decoding from 8 concurrent streams on.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# quickdraft/server/loadgen.py (README, Serving > Speed) on this 2-core CPU, Qwen2.5-Coder-1.5B
+# with the 0.5B draft at K=4: 1.32x plain at 1 stream, 1.06x at 4, 0.81x at 8 (SmolLM2 with ngram:
+# 0.92x at 8). 6 sits between the last measured win and the first measured loss.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 6
 
 
 def register(sub) -> None:
