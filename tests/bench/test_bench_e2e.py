@@ -43,10 +43,10 @@ def test_tiny_greedy_bench_writes_all_outputs(smollm2_path, tmp_path, capsys):
     assert len(result["runs"]) == 3 * 2 and all(r["num_tokens"] >= 1 for r in result["runs"])
 
     rows = {(r["variant"], r["dataset"], r["category"]): r for r in result["summary"]}
-    assert set(rows) == {(v, d, c) for v in ("none", "ngram K=2 n=1..4")
+    assert set(rows) == {(v, d, c) for v in ("none", "ngram K=2 n=2..4")
                          for d, c in (("humaneval", "coding"), ("humaneval", "all"), ("mtbench", "writing"),
                                       ("mtbench", "all"), ("all", "all"))}
-    top = rows[("ngram K=2 n=1..4", "all", "all")]
+    top = rows[("ngram K=2 n=2..4", "all", "all")]
     assert top["lossless"]["fraction_identical"] == 1.0 and top["lossless"]["num_divergences"] == 0
     assert top["speedup"]["n"] == 3 and top["tokens_per_second_median"] > 0
     assert len(top["acceptance_by_position"]) <= 2
@@ -55,7 +55,7 @@ def test_tiny_greedy_bench_writes_all_outputs(smollm2_path, tmp_path, capsys):
     assert result["command"].startswith("quickdraft bench --model smollm2-135m-instruct")
 
     md = (out / "report.md").read_text()
-    assert "## Summary" in md and "## By category" in md and "ngram K=2 n=1..4" in md and "![speedup]" in md
+    assert "## Summary" in md and "## By category" in md and "ngram K=2 n=2..4" in md and "![speedup]" in md
     printed = capsys.readouterr().out
     assert "tok/s med" in printed and "floor:" in printed
 

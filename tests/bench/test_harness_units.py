@@ -49,7 +49,7 @@ def test_suite_fills_in_what_the_flags_leave_out():
     assert s["model"] == bench_cli.QWEN15 and s["draft_model"] == bench_cli.QWEN05
     assert s["max_tokens"] == 12 and s["limit"] == 2
     c = bench_cli.build_config(s, args)
-    assert [v.name for v in c.variants] == ["none", "ngram K=4 n=1..4", "draft_model K=4"]
+    assert [v.name for v in c.variants] == ["none", "ngram K=4 n=2..4", "draft_model K=4"]
     cmd = bench_cli.command_line(s, args)
     assert "--max-tokens 12" in cmd and "--draft-model qwen2.5-coder-0.5b-instruct" in cmd
     assert bench_cli.resolve(_args(temperature=0.8))["num_seeds"] == 32
