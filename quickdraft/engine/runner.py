@@ -37,8 +37,7 @@ class Runner:
 
     def step(self, seqs: list[Sequence], num_draft: list[int]) -> list[StepResult]:
         """num_draft [batch]: the most draft tokens each sequence may take this step."""
-        deciding = [i for i, s in enumerate(seqs) if num_draft[i] > 0]
-        proposal = self._propose(seqs, num_draft, deciding)
+        proposal = self._propose(seqs, num_draft)
         logits = self._score(seqs, proposal)  # [num_draft_tokens + batch, V]
         ok = self._finite_rows(logits, proposal.num_tokens)  # [batch] bool
         outcome = verify(
@@ -50,10 +49,10 @@ class Runner:
         self.proposer.observe(seqs, outcome)
         return self._commit(seqs, proposal, outcome, ok)
 
-    def _propose(self, seqs, num_draft, deciding) -> DraftProposal:
-        if not deciding:
+    def _propose(self, seqs, num_draft) -> DraftProposal:
+        # Sequences on their prompt pass (and any with K = 0 this step) get no draft tokens.
+        if not any(num_draft):
             return DraftProposal.empty(len(seqs))
-        # Only sequences past their prompt pass are drafted for; the others get zero tokens.
         return self.proposer.propose(seqs, num_draft)
 
     def _score(self, seqs: list[Sequence], proposal: DraftProposal) -> torch.Tensor:
