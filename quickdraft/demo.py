@@ -22,7 +22,7 @@ def main() -> int:
     target = load_model(TARGET, torch.bfloat16)
     runs = {}
     for name, spec in (("plain", None), ("draft_model", {"method": "draft_model", "model": DRAFT,
-                                                           "num_speculative_tokens": 4})):
+                                                           "num_speculative_tokens": 8})):
         llm = LLM(target, speculative_config=spec, dtype="bfloat16", max_num_seqs=1)
         llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))  # warm up
         out = llm.generate([prompt], params)[0]
