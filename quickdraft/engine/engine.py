@@ -97,7 +97,10 @@ class Engine:
                 ks.append(0)
                 continue
             room = min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) - 1
-            ks.append(max(0, min(spec.num_speculative_tokens, room)))
+            k = max(0, min(spec.num_speculative_tokens, room))
+            if s.acceptance_ema < spec.min_acceptance_rate and s.steps_without_drafts + 1 < spec.probe_interval:
+                k = 0  # its drafts keep failing: decode plainly, probe again later
+            ks.append(k)
         return ks
 
     def _postprocess(self, r: StepResult) -> RequestOutput:
@@ -115,6 +118,11 @@ class Engine:
                 break
         if seq.finish_reason != "stop" or not seq.params.stop:
             seq.text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""
+        if r.num_drafts:
+            seq.acceptance_ema = 0.7 * seq.acceptance_ema + 0.3 * (r.num_accepted / r.num_drafts)
+            seq.steps_without_drafts = 0
+        elif seq.first_token_time is not None and len(seq.output_token_ids) > 1:
+            seq.steps_without_drafts += 1
         seq.spec.record(r.num_drafts, r.num_accepted, emitted)
         self.stats.record(r.num_drafts, r.num_accepted, emitted)
         if seq.finished:

@@ -114,6 +114,8 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
+    acceptance_ema: float = 1.0  # moving average of this sequence's acceptance rate per pass
+    steps_without_drafts: int = 0  # decoding steps since its last draft (for probing)
     _reported: int = 0  # output tokens already handed out in a RequestOutput
 
     @property

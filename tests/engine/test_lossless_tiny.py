@@ -93,6 +93,17 @@ def test_confidence_cutoff_changes_only_the_speed(plain, threshold):
     assert stats.num_draft_tokens < sum(o.spec.num_draft_tokens for o in full)  # drafts were cut short
 
 
+def test_failing_drafts_stop_being_proposed(plain):
+    """With a draft that is never right, a sequence soon stops speculating (and probes now and
+    then); the output is unchanged."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    spec = {"method": "draft_model", "model": DRAFTS["never"], "num_speculative_tokens": 3}
+    adaptive, stats = run(spec, PROMPTS, params)
+    always, always_stats = run({**spec, "min_acceptance_rate": 0.0}, PROMPTS, params)
+    assert [o.token_ids for o in adaptive] == [o.token_ids for o in always] == plain
+    assert 0 < stats.num_draft_tokens < always_stats.num_draft_tokens / 2
+
+
 def test_ngram_greedy_equals_plain(plain):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
