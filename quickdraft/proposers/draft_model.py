@@ -7,6 +7,10 @@ target's. The draft's cache is indexed by the same slot as the target's. ``_cach
 the sequence's tokens whose keys are in the draft cache; a pass feeds it everything after that, so
 after a rejection (or after the bonus token) the draft catches up in the first pass of the next
 proposal, with no copy and no recomputation of what it already holds.
+
+Two options trade nothing but speed: ``draft_confidence_threshold`` ends a sequence's draft early
+once the draft's own probability of its token drops below it, and ``quantization`` runs the draft
+in int8 (models/quant.py). Neither can change the output: only the target's verification decides.
 """
 
 from __future__ import annotations
