@@ -118,16 +118,21 @@ class Engine:
                 break
         if seq.finish_reason != "stop" or not seq.params.stop:
             seq.text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""
-        if r.num_drafts:
-            seq.acceptance_ema = 0.7 * seq.acceptance_ema + 0.3 * (r.num_accepted / r.num_drafts)
-            seq.steps_without_drafts = 0
-        elif seq.first_token_time is not None and len(seq.output_token_ids) > 1:
-            seq.steps_without_drafts += 1
+        self._track_acceptance(seq, r)
         seq.spec.record(r.num_drafts, r.num_accepted, emitted)
         self.stats.record(r.num_drafts, r.num_accepted, emitted)
         if seq.finished:
             self._release(seq)
         return seq.to_output()
+
+    @staticmethod
+    def _track_acceptance(seq: Sequence, r: StepResult) -> None:
+        """The moving average and probe counter that _num_draft reads (min_acceptance_rate)."""
+        if r.num_drafts:
+            seq.acceptance_ema = 0.7 * seq.acceptance_ema + 0.3 * (r.num_accepted / r.num_drafts)
+            seq.steps_without_drafts = 0
+        else:  # a prompt pass, a step without speculation, or one where no draft was found
+            seq.steps_without_drafts += 1
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Add one token and apply the stop rules in plain decoding's order; True = finished."""

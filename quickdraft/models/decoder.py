@@ -70,11 +70,8 @@ def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [batch, rows, k] @ b [batch, k, n], with rows padded to a multiple of ROW_MULTIPLE for batch invariance."""
-    rows = a.shape[1]
-    if rows % ROW_MULTIPLE == 0:
-        return torch.matmul(a, b)
-    a = torch.cat([a, a.new_zeros(a.shape[0], _padded(rows) - rows, a.shape[2])], dim=1)
-    return torch.matmul(a, b)[:, :rows]
+    padded, rows = _pad_rows(a.transpose(0, 1))  # pad the rows dimension
+    return torch.matmul(padded.transpose(0, 1), b)[:, :rows]
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
