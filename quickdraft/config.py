@@ -32,13 +32,14 @@ class SpeculativeConfig:
     # "auto": int8 where the int8 CPU kernel runs and the engine is bfloat16. Measured here (6
     # HumanEval prompts, Qwen pair, K = 8): 1.49x bfloat16 draft -> 1.79x int8, 5.68 -> 5.58 tokens/pass.
     quantization: str | None = "auto"
-    # A sequence whose drafts keep failing stops speculating: when the moving average of its
-    # acceptance rate (weight 0.3 on the latest pass) is below this, it drafts only on every
-    # ``probe_interval``-th step, to see whether its text has become predictable again.
-    # Verifying K extra tokens is not free (~1.3x a plain pass at K=4 on this CPU). 0: off.
-    # Measured on 6 HumanEval prompts with ngram K=4: 1.09x off, 1.08x on (noise): it guards the
-    # worst case (a never-right draft drafts half as much, tests/engine), it is no speedup by itself.
-    min_acceptance_rate: float = 0.1
+    # Choose each sequence's K every step, up to num_speculative_tokens, to maximize expected
+    # tokens per second from a cost model the engine calibrates at start-up and refits as it runs
+    # (engine/cost.py): a sequence whose drafts keep failing decodes plainly, and a batch large
+    # enough that verification rows are dear drafts less or not at all. False: always K.
+    adaptive: bool = True
+    # adaptive: a sequence left without drafts this many steps is planned again as if its
+    # drafts were good (an acceptance rate of at least 0.5), to see whether its text has become
+    # predictable again.
     probe_interval: int = 8
     # Speculation turns off for a step whose running batch has at least this many sequences:
     # verification stops being nearly free once the batch fills the matrix units (vLLM's
@@ -63,9 +64,8 @@ class SpeculativeConfig:
             raise ConfigError(f"draft_confidence_threshold must be in [0, 1), got {t!r}", "draft_confidence_threshold")
         if self.quantization not in (None, "int8", "auto"):
             raise ConfigError(f'quantization must be null, "int8" or "auto", got {self.quantization!r}', "quantization")
-        if not 0.0 <= self.min_acceptance_rate < 1.0:
-            raise ConfigError(f"min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate!r}",
-                              "min_acceptance_rate")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}", "adaptive")
         if not isinstance(self.probe_interval, int) or self.probe_interval < 1:
             raise ConfigError(f"probe_interval must be an integer >= 1, got {self.probe_interval!r}", "probe_interval")
         b = self.disable_by_batch_size

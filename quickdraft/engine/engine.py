@@ -12,6 +12,7 @@ import itertools
 import time
 
 from quickdraft.config import EngineConfig
+from quickdraft.engine.cost import Acceptance, calibrate, plan_draft_lengths
 from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
 from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
@@ -41,9 +42,13 @@ class Engine:
             load_model=lambda m: m if isinstance(m, LoadedModel) else load_model(m, dtype, config.device),
         )
         self.proposer = create_proposer(config.speculative, ctx)
-        self.runner = Runner(self.decoder, self.kv, self.proposer)
+        spec = config.speculative
+        # the target's pass cost by rows, timed on slot 0 before any sequence holds it
+        target_cost = calibrate(self.decoder, self.kv) if spec.enabled and spec.adaptive else None
+        self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_queue)
         self.stats = SpecStats()  # the whole run's counters
+        self.acceptance = Acceptance(decay=0.99)  # every sequence's drafts: the prior for a new one
         self._ids = itertools.count()
         self.eos_token_ids = set(self.model.config.eos_token_ids)
 
@@ -86,22 +91,26 @@ class Engine:
         return [self._postprocess(r) for r in results]
 
     def _num_draft(self, seqs: list[Sequence]) -> list[int]:
-        """K for each sequence this step: none on its prompt pass, none when the batch is large
-        enough that verification is no longer nearly free, and never more than it can use."""
+        """K for each sequence this step: none on its prompt pass, never more than it can use,
+        none when the batch has reached ``disable_by_batch_size``, and with ``adaptive`` as many
+        as pay for themselves (engine/cost.py)."""
         spec = self.config.speculative
         if not spec.enabled or (spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size):
             return [0] * len(seqs)
-        ks = []
+        caps = []
         for s in seqs:
-            if len(s.pending_token_ids) != 1:
-                ks.append(0)
-                continue
             room = min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) - 1
-            k = max(0, min(spec.num_speculative_tokens, room))
-            if s.acceptance_ema < spec.min_acceptance_rate and s.steps_without_drafts + 1 < spec.probe_interval:
-                k = 0  # its drafts keep failing: decode plainly, probe again later
-            ks.append(k)
-        return ks
+            caps.append(0 if len(s.pending_token_ids) != 1 else max(0, min(spec.num_speculative_tokens, room)))
+        if not spec.adaptive or not any(caps):
+            return caps
+        prior = self.acceptance.rate(0.5)
+        # a sequence without drafts for probe_interval steps is planned as if its drafts were good
+        alphas = [max(prior, 0.5) if s.steps_without_drafts >= spec.probe_interval else s.acceptance.rate(prior)
+                  for s in seqs]
+        return plan_draft_lengths(
+            alphas, caps, sum(len(s.pending_token_ids) for s in seqs), self.runner.target_cost,
+            self.proposer.cost, [self.proposer.catchup_rows(s) for s in seqs],
+        )
 
     def _postprocess(self, r: StepResult) -> RequestOutput:
         seq = r.seq
@@ -125,11 +134,11 @@ class Engine:
             self._release(seq)
         return seq.to_output()
 
-    @staticmethod
-    def _track_acceptance(seq: Sequence, r: StepResult) -> None:
-        """The moving average and probe counter that _num_draft reads (min_acceptance_rate)."""
+    def _track_acceptance(self, seq: Sequence, r: StepResult) -> None:
+        """The acceptance estimates and probe counter that _num_draft plans with."""
         if r.num_drafts:
-            seq.acceptance_ema = 0.7 * seq.acceptance_ema + 0.3 * (r.num_accepted / r.num_drafts)
+            seq.acceptance.record(r.num_drafts, r.num_accepted)
+            self.acceptance.record(r.num_drafts, r.num_accepted)
             seq.steps_without_drafts = 0
         else:  # a prompt pass, a step without speculation, or one where no draft was found
             seq.steps_without_drafts += 1

@@ -10,10 +10,12 @@ garbage that the next pass overwrites.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from quickdraft.engine.cost import LinearCost
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence
@@ -32,12 +34,15 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, target: Decoder, kv: KVCache, proposer: Proposer):
+    def __init__(self, target: Decoder, kv: KVCache, proposer: Proposer, target_cost: LinearCost | None = None):
         self.target, self.kv, self.proposer = target, kv, proposer
+        self.target_cost = target_cost  # refitted with every pass's rows and seconds (scoring to commit)
 
     def step(self, seqs: list[Sequence], num_draft: list[int]) -> list[StepResult]:
         """num_draft [batch]: the most draft tokens each sequence may take this step."""
         proposal = self._propose(seqs, num_draft)
+        started = time.perf_counter()
+        pending = [len(s.pending_token_ids) for s in seqs]
         logits = self._score(seqs, proposal)  # [num_draft_tokens + batch, V]
         ok = self._finite_rows(logits, proposal.num_tokens)  # [batch] bool
         outcome = verify(
@@ -47,7 +52,10 @@ class Runner:
             self._uniforms(seqs, proposal.num_tokens).to(logits.device),
         )
         self.proposer.observe(seqs, outcome)
-        return self._commit(seqs, proposal, outcome, ok)
+        results = self._commit(seqs, proposal, outcome, ok)
+        if self.target_cost is not None and max(pending) == 1:  # decoding passes only: prompt passes cost otherwise
+            self.target_cost.observe(len(seqs) + sum(proposal.num_tokens), time.perf_counter() - started)
+        return results
 
     def _propose(self, seqs, num_draft) -> DraftProposal:
         # Sequences on their prompt pass (and any with K = 0 this step) get no draft tokens.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quickdraft.engine.cost import Acceptance
 from quickdraft.sampling import SamplingParams
 
 
@@ -114,7 +115,7 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
-    acceptance_ema: float = 1.0  # moving average of this sequence's acceptance rate per pass
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (engine/cost.py)
     steps_without_drafts: int = 0  # decoding steps since its last draft (for probing)
     _reported: int = 0  # output tokens already handed out in a RequestOutput
 

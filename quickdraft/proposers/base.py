@@ -17,6 +17,7 @@ from quickdraft.errors import ConfigError
 
 if TYPE_CHECKING:
     from quickdraft.config import SpeculativeConfig
+    from quickdraft.engine.cost import LinearCost
     from quickdraft.engine.sequence import Sequence
     from quickdraft.models.loader import LoadedModel
     from quickdraft.verify.rejection import VerifyOutput
@@ -46,11 +47,17 @@ class ProposerContext:
 
 
 class Proposer(Protocol):
+    # What one draft pass costs (engine/cost.py), for planning K; None: drafts are free to make.
+    cost: "LinearCost | None"
+
     def propose(self, seqs: list["Sequence"], num_tokens: list[int]) -> DraftProposal:
         """At most ``num_tokens[i]`` draft tokens for each sequence (fewer is allowed)."""
 
     def observe(self, seqs: list["Sequence"], outcome: "VerifyOutput") -> None:
         """Called after verification, before the sequences grow by ``outcome.token_ids``."""
+
+    def catchup_rows(self, seq: "Sequence") -> int:
+        """Tokens the proposer must read for this sequence before its first draft token."""
 
     def release(self, seq: "Sequence") -> None:
         """The sequence finished or was aborted: drop its state."""

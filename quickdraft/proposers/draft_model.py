@@ -15,8 +15,11 @@ in int8 (models/quant.py). Neither can change the output: only the target's veri
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from quickdraft.engine.cost import calibrate
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
@@ -27,11 +30,14 @@ from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, s
 
 @register("draft_model")
 class DraftModelProposer:
-    def __init__(self, draft: Decoder, num_slots: int, max_len: int, confidence_threshold: float = 0.0):
+    def __init__(self, draft: Decoder, num_slots: int, max_len: int, confidence_threshold: float = 0.0,
+                 calibrate_cost: bool = False):
         self.model = draft
         self.threshold = confidence_threshold
         self.kv = KVCache(draft.config, num_slots, max_len, draft.dtype, draft.device)
         self._cached = [0] * num_slots
+        # one draft pass's seconds by rows, for the engine's K planning; refitted on every pass
+        self.cost = calibrate(draft, self.kv) if calibrate_cost else None
 
     @classmethod
     def from_config(cls, spec, ctx) -> "DraftModelProposer":
@@ -41,7 +47,7 @@ class DraftModelProposer:
         if quantize == "auto":
             quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 else None
         return cls(Decoder(draft.config, draft.weights, quantize=quantize), ctx.num_slots,
-                   ctx.max_model_len, spec.draft_confidence_threshold)
+                   ctx.max_model_len, spec.draft_confidence_threshold, calibrate_cost=spec.adaptive)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)  # shortened below where the draft loses confidence
@@ -54,14 +60,18 @@ class DraftModelProposer:
             active = [i for i in active if num_tokens[i] > step]
             if not active:
                 break
+            started, rows = time.perf_counter(), sum(len(feed[i]) for i in active)
             logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), V]
             tokens, q = self._sample([seqs[i] for i in active], logits, sampled)
             confident = self._confident(logits, tokens)  # [len(active)] bool
+            tokens = tokens.tolist()
+            if self.cost is not None:
+                self.cost.observe(rows, time.perf_counter() - started)
             for row, i in enumerate(active):
-                drafts[i].append(int(tokens[row]))
+                drafts[i].append(tokens[row])
                 if q is not None:
                     probs[i].append(q[row])
-                feed[i] = [int(tokens[row])]
+                feed[i] = [tokens[row]]
                 if not confident[row]:
                     num_tokens[i] = step + 1  # this token is proposed, no more after it
         flat = [t for d in drafts for t in d]
@@ -102,6 +112,10 @@ class DraftModelProposer:
         # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.
         for s, accepted in zip(seqs, outcome.num_accepted):
             self._cached[s.slot] = min(self._cached[s.slot], len(s) + accepted)
+
+    def catchup_rows(self, seq) -> int:
+        # after a draft with no rejection, or steps without drafting, the draft is behind by more than 1
+        return max(len(seq) - self._cached[seq.slot] - 1, 0)
 
     def release(self, seq) -> None:
         self._cached[seq.slot] = 0

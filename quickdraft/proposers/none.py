@@ -8,6 +8,8 @@ from quickdraft.proposers.base import DraftProposal, register
 
 @register("none")
 class NoProposer:
+    cost = None  # it makes no drafts
+
     @classmethod
     def from_config(cls, spec, ctx) -> "NoProposer":
         return cls()
@@ -17,6 +19,9 @@ class NoProposer:
 
     def observe(self, seqs, outcome) -> None:
         pass
+
+    def catchup_rows(self, seq) -> int:
+        return 0
 
     def release(self, seq) -> None:
         pass

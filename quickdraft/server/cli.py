@@ -18,8 +18,9 @@ import uvicorn
 
 from quickdraft.cli import add_model_args
 
-# Speculation turns off for a step with at least this many running sequences, unless
-# --speculative-disable-by-batch-size or the JSON key says otherwise. Measured with
+# With "adaptive": false, speculation turns off for a step with at least this many running
+# sequences, unless --speculative-disable-by-batch-size or the JSON key says otherwise (the
+# adaptive default plans K per step from measured costs and needs no switch). Measured with
 # quickdraft/server/loadgen.py (README, Serving > Speed) on this 2-core CPU, Qwen2.5-Coder-1.5B
 # with the 0.5B draft at K=4: 1.32x plain at 1 stream, 1.06x at 4, 0.81x at 8 (SmolLM2 with ngram:
 # 0.92x at 8). 6 sits between the last measured win and the first measured loss.
@@ -39,7 +40,7 @@ def register(sub) -> None:
                    help="the name(s) clients send as 'model' (default: --model)")
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="turn speculation off for a step whose running batch has at least this many sequences "
-                        f"(0: never; default: the JSON key, else {DEFAULT_DISABLE_BY_BATCH_SIZE})")
+                        f"(0: never; default: the JSON key, else never when adaptive, else {DEFAULT_DISABLE_BY_BATCH_SIZE})")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, wait at most this many seconds for requests in flight (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -54,7 +55,8 @@ def speculative_config(args):
     flag = args.speculative_disable_by_batch_size
     if flag is not None:
         return dataclasses.replace(spec, disable_by_batch_size=flag or None)
-    if spec.enabled and spec.disable_by_batch_size is None and not _json_sets_threshold(args.speculative_config):
+    if (spec.enabled and not spec.adaptive and spec.disable_by_batch_size is None
+            and not _json_sets_threshold(args.speculative_config)):
         return dataclasses.replace(spec, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE)
     return spec
 
@@ -91,10 +93,13 @@ def serve(args) -> int:
                         access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
     server = DrainingServer(uv, settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    logging.getLogger("quickdraft.server").info(
-        "serving %s as %s on http://%s:%d (speculative: %s, K=%d, off from batch %s; %d slots, queue %d)",
-        args.model, names, args.host, args.port, spec.method, k, spec.disable_by_batch_size,
-        args.max_num_seqs, args.max_queue)
+    log = logging.getLogger("quickdraft.server")
+    log.info("serving %s as %s on http://%s:%d (speculative: %s, K=%d%s, off from batch %s; %d slots, queue %d)",
+             args.model, names, args.host, args.port, spec.method, k, " adaptive" if spec.adaptive else "",
+             spec.disable_by_batch_size, args.max_num_seqs, args.max_queue)
+    for name, cost in (("target", engine.runner.target_cost), ("draft", engine.proposer.cost)):
+        if cost is not None:
+            log.info("%s pass, calibrated: %.1f ms + %.2f ms per row", name, cost.a * 1e3, cost.b * 1e3)
     # uvicorn re-raises the signal it caught once it has shut down; with this no-op as the handler
     # it restores, a drained SIGTERM ends in a normal return (exit status 0), not death by signal.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -35,8 +35,8 @@ def plain(target):
 
 
 @pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
-    {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False},
+    {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "adaptive": False},
 ])
 def test_ngram_equals_plain(target, plain, spec):
     dtype, model = target
@@ -50,7 +50,8 @@ def test_self_draft_accepts_everything(target, plain):
     """The model as its own draft: every draft token accepted, output unchanged."""
     dtype, model = target
     llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4,
-                                         "quantization": None, "draft_confidence_threshold": 0.0}, dtype=dtype)
+                                         "quantization": None, "draft_confidence_threshold": 0.0,
+                                         "adaptive": False}, dtype=dtype)
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert llm.engine.stats.acceptance_rate == 1.0
@@ -60,7 +61,7 @@ def test_int8_draft_changes_only_the_speed(target, plain):
     """A quantized draft proposes differently; the target's verification keeps the output."""
     dtype, model = target
     llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4,
-                                         "quantization": "int8"}, dtype=dtype)
+                                         "quantization": "int8", "adaptive": False}, dtype=dtype)
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert isinstance(llm.engine.proposer.model.lm_head, Int8Weight)
@@ -72,3 +73,17 @@ def test_batched_equals_alone(target, plain):
     llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, dtype=dtype)
     alone = [llm.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
     assert alone == plain
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    {"method": "draft_model", "model": "smollm2-135m-instruct", "num_speculative_tokens": 4},
+])
+def test_adaptive_plan_changes_only_the_speed(target, plain, spec):
+    """The default: K is planned per sequence and step from timings (engine/cost.py), so which
+    drafts are verified varies from run to run; the tokens may not."""
+    dtype, model = target
+    spec = {**spec, "model": model} if "model" in spec else spec
+    llm = LLM(model, speculative_config=spec, dtype=dtype)
+    assert llm.engine.runner.target_cost is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
+from quickdraft.engine.cost import LinearCost
 from quickdraft.engine.engine import Engine
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
@@ -39,10 +40,26 @@ def _noisy(model: LoadedModel, noise: float, seed: int) -> LoadedModel:
 DRAFTS = {"always": TARGET, "never": _derange_head(TARGET), "between": _noisy(TARGET, 0.6, seed=3)}
 
 
-def run(spec: dict | None, prompts, params, max_num_seqs=4):
+class FrozenCost(LinearCost):
+    """Costs that timings do not move: what the plan sees on a CPU where a row costs 1% of a pass."""
+
+    def __init__(self, a=0.1, b=0.001):
+        super().__init__([(1, a + b), (33, a + 33 * b)])
+
+    def observe(self, rows, seconds):
+        pass
+
+
+def run(spec: dict | None, prompts, params, max_num_seqs=4, costs: tuple | None = None):
+    """Speculation with a fixed K unless ``spec`` asks for the adaptive plan: the tests of the
+    verifier's path must not depend on how fast this machine is today (the plan reads timings)."""
+    if spec is not None:
+        spec = {"adaptive": False, **spec}
     config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=max_num_seqs,
                           speculative=SpeculativeConfig.parse(spec))
     engine = Engine(config, target=TARGET)
+    if costs is not None:  # (target, draft)
+        engine.runner.target_cost, engine.proposer.cost = costs
     outs = engine.generate_ids(prompts, params)
     return outs, engine.stats
 
@@ -98,10 +115,30 @@ def test_failing_drafts_stop_being_proposed(plain):
     then); the output is unchanged."""
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
     spec = {"method": "draft_model", "model": DRAFTS["never"], "num_speculative_tokens": 3}
-    adaptive, stats = run(spec, PROMPTS, params)
-    always, always_stats = run({**spec, "min_acceptance_rate": 0.0}, PROMPTS, params)
+    adaptive, stats = run({**spec, "adaptive": True}, PROMPTS, params, costs=(FrozenCost(), FrozenCost(0.01)))
+    always, always_stats = run(spec, PROMPTS, params)
     assert [o.token_ids for o in adaptive] == [o.token_ids for o in always] == plain
-    assert 0 < stats.num_draft_tokens < always_stats.num_draft_tokens / 2
+    assert 0 < stats.num_draft_tokens < always_stats.num_draft_tokens / 4
+
+
+def test_good_drafts_are_verified_in_full_while_rows_are_cheap(plain):
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3, "adaptive": True,
+            "draft_confidence_threshold": 0.0}
+    outs, stats = run(spec, PROMPTS, params, costs=(FrozenCost(), FrozenCost(0.01)))
+    assert [o.token_ids for o in outs] == plain
+    _, fixed = run({**spec, "adaptive": False}, PROMPTS, params)
+    # all but the first drafts, planned from the 0.5 prior before any was seen, are full length
+    assert stats.num_draft_tokens >= 0.9 * fixed.num_draft_tokens and stats.acceptance_rate == 1.0
+
+
+def test_dear_rows_turn_speculation_off(plain):
+    """When a verified row costs half a pass and a draft pass as much as the target's, no draft pays."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3, "adaptive": True}
+    outs, stats = run(spec, PROMPTS, params, costs=(FrozenCost(0.1, 0.05), FrozenCost(0.1, 0.05)))
+    assert [o.token_ids for o in outs] == plain
+    assert stats.num_draft_tokens == 0
 
 
 def test_ngram_greedy_equals_plain(plain):

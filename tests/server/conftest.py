@@ -24,7 +24,7 @@ def plain_server(request, smollm2_path) -> ServerProcess:
 def ngram_server(request, smollm2_path) -> ServerProcess:
     """ngram K=4, speculating at every batch size (so that batching meets speculation)."""
     return _serve(request, "--max-num-seqs", "8", "--speculative-config",
-                  '{"method": "ngram", "num_speculative_tokens": 4}', "--speculative-disable-by-batch-size", "0",
+                  '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}', "--speculative-disable-by-batch-size", "0",
                   log_name="ngram")
 
 

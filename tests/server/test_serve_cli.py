@@ -9,11 +9,13 @@ from quickdraft.cli import build_parser
 from quickdraft.server.cli import DEFAULT_DISABLE_BY_BATCH_SIZE, speculative_config
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+FIXED = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
 
 
 @pytest.mark.parametrize("argv, expected", [
     ([], None),  # no speculation: nothing to turn off
-    (["--speculative-config", NGRAM], DEFAULT_DISABLE_BY_BATCH_SIZE),
+    (["--speculative-config", NGRAM], None),  # adaptive: the plan turns speculation off when it stops paying
+    (["--speculative-config", FIXED], DEFAULT_DISABLE_BY_BATCH_SIZE),
     (["--speculative-config", NGRAM, "--speculative-disable-by-batch-size", "3"], 3),
     (["--speculative-config", NGRAM, "--speculative-disable-by-batch-size", "0"], None),  # 0: never
     (["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 5}'], 5),

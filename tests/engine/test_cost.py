@@ -1,0 +1,94 @@
+"""The cost model and the K planner (engine/cost.py), on hand-made costs: no model, no clock."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from quickdraft.engine.cost import Acceptance, LinearCost, expected_tokens, plan_draft_lengths
+
+
+def test_linear_cost_fits_its_points_and_follows_what_it_observes():
+    cost = LinearCost([(1, 0.12), (9, 0.20), (33, 0.44)])
+    assert cost.a == pytest.approx(0.11) and cost.b == pytest.approx(0.01)
+    for _ in range(64):  # the machine got twice as slow
+        cost.observe(5, 0.30)
+        cost.observe(17, 0.54)
+    assert cost(5) == pytest.approx(0.30, rel=0.15) and cost(17) == pytest.approx(0.54, rel=0.15)
+
+
+def test_linear_cost_never_goes_negative():
+    cost = LinearCost([(1, 0.3), (8, 0.1)])  # noise can make a slope negative
+    assert cost.b == 0.0 and cost.a > 0
+    single = LinearCost([(4, 0.2)])  # no slope to learn: rows are assumed to cost in proportion
+    assert single(8) == pytest.approx(0.4)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == 1.75
+
+
+def test_acceptance_is_the_geometric_estimate_shrunk_to_the_prior():
+    a = Acceptance(decay=1.0)
+    assert a.rate(0.6) == pytest.approx(0.6)  # nothing seen yet
+    a.record(4, 4)  # all accepted: 4 hits, no miss
+    a.record(4, 1)  # 1 hit, then a miss
+    assert a.rate(0.5, prior_weight=0.0) == pytest.approx(5 / 6)
+    a.record(0, 0)  # a pass without drafts says nothing
+    assert a.rate(0.5, prior_weight=0.0) == pytest.approx(5 / 6)
+
+
+CHEAP_ROWS = LinearCost([(1, 0.100), (33, 0.132)])  # a row costs 1% of a pass: bandwidth bound
+DEAR_ROWS = LinearCost([(1, 0.100), (33, 0.900)])  # a row costs 25%: compute bound
+
+
+def test_good_drafts_take_the_full_k_when_rows_are_cheap():
+    assert plan_draft_lengths([0.9], [8], 1, CHEAP_ROWS, None) == [8]
+
+
+def test_failing_drafts_are_not_verified():
+    assert plan_draft_lengths([0.01], [8], 1, CHEAP_ROWS, None) == [0]
+    assert plan_draft_lengths([0.9, 0.01, 0.8], [4, 4, 4], 3, CHEAP_ROWS, None) == [4, 0, 4]
+
+
+def test_dear_rows_shorten_drafts_and_a_big_batch_turns_them_off():
+    draft = LinearCost([(1, 0.02), (33, 0.10)])
+    single = plan_draft_lengths([0.8], [8], 1, DEAR_ROWS, draft)
+    assert 0 < single[0] < 8
+    by_batch = [max(plan_draft_lengths([0.8] * b, [8] * b, b, DEAR_ROWS, draft)) for b in (1, 2, 4, 8, 16, 32)]
+    assert by_batch == sorted(by_batch, reverse=True) and by_batch[-1] == 0
+
+
+def test_caps_are_respected():
+    assert plan_draft_lengths([0.99, 0.99], [2, 0], 2, CHEAP_ROWS, None) == [2, 0]
+
+
+def test_catching_up_counts_against_drafting():
+    draft = LinearCost([(1, 0.01), (33, 0.05)])  # 1.25 ms a row
+    rows = LinearCost([(1, 0.100), (33, 0.160)])
+    assert plan_draft_lengths([0.3], [1], 1, rows, draft, catchup=[0]) == [1]
+    assert plan_draft_lengths([0.3], [1], 1, rows, draft, catchup=[200]) == [0]
+
+
+def _rate(ks, alphas, base_rows, target, draft):
+    seconds = target(base_rows + sum(ks))
+    if draft is not None and any(ks):
+        seconds += sum(draft(sum(k >= j for k in ks)) for j in range(1, max(ks) + 1))
+    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_plan_is_within_two_percent_of_the_best(seed):
+    """Against every K vector by brute force, on random batches, acceptance rates and costs."""
+    rng = random.Random(seed)
+    batch, k = rng.randint(1, 4), rng.randint(1, 4)
+    alphas = [rng.random() for _ in range(batch)]
+    target = LinearCost([(1, 0.1), (33, 0.1 + 32 * rng.uniform(0.0005, 0.03))])
+    draft = None if seed % 2 else LinearCost([(1, rng.uniform(0.002, 0.04)), (33, 0.05 + 32 * rng.uniform(0, 0.005))])
+    best = max(_rate(ks, alphas, batch, target, draft) for ks in itertools.product(range(k + 1), repeat=batch))
+    plan = plan_draft_lengths(alphas, [k] * batch, batch, target, draft)
+    assert _rate(plan, alphas, batch, target, draft) >= 0.98 * best
