@@ -26,7 +26,7 @@ DEFAULTS = {
     "model": "smollm2-135m-instruct", "draft_model": None, "datasets": "humaneval", "limit": 10,
     "categories": None, "max_tokens": 128, "temperature": 0.0, "seed": 0, "num_seeds": None, "repeats": 1,
     "methods": "none,ngram", "num_speculative_tokens": "4", "prompt_lookup_max": "4", "prompt_lookup_min": "2",
-    "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
+    "adaptive": "true", "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
 }
 SUITES = {
     # about 5 minutes here: 2 HumanEval prompts and 2 MT-Bench questions (4 turns), 64 tokens
@@ -44,7 +44,7 @@ FLAGS = {  # setting -> its flag, in the order the reproducing command lists the
     "categories": "--categories", "max_tokens": "--max-tokens", "temperature": "--temperature", "seed": "--seed",
     "num_seeds": "--num-seeds", "repeats": "--repeats", "methods": "--methods",
     "num_speculative_tokens": "--num-speculative-tokens", "prompt_lookup_max": "--prompt-lookup-max",
-    "prompt_lookup_min": "--prompt-lookup-min", "peers": "--peers",
+    "prompt_lookup_min": "--prompt-lookup-min", "adaptive": "--adaptive", "peers": "--peers",
     "peer_num_speculative_tokens": "--peer-num-speculative-tokens", "warmup_tokens": "--warmup-tokens",
     "max_model_len": "--max-model-len",
 }
@@ -72,6 +72,8 @@ def register(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", help="K values, comma-separated (e.g. 2,4,6,8)")
     p.add_argument("--prompt-lookup-max", help="ngram: longest n-gram sizes, comma-separated")
     p.add_argument("--prompt-lookup-min", help="ngram: shortest n-gram sizes, comma-separated")
+    p.add_argument("--adaptive", help="true (K planned per step, up to each K: the default), false (always K), "
+                                      "or true,false (both)")
     p.add_argument("--peers", help="comma-separated: transformers, llama_cpp, or none")
     p.add_argument("--peer-num-speculative-tokens", type=int, help="K of the peers' speculative methods")
     p.add_argument("--warmup-tokens", type=int)
@@ -85,6 +87,14 @@ def _ints(value: str, flag: str) -> list[int]:
         return [int(x) for x in str(value).split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{flag} takes comma-separated integers, got {value!r}") from None
+
+
+def _bools(value, flag: str) -> tuple[bool, ...]:
+    words = {"true": True, "false": False}
+    names = _names(value)
+    if not names or any(n.lower() not in words for n in names):
+        raise ConfigError(f"{flag} takes true, false or true,false, got {value!r}")
+    return tuple(dict.fromkeys(words[n.lower()] for n in names))
 
 
 def _limits(value, data: list[str]) -> dict[str, int | None]:
@@ -151,13 +161,13 @@ def build_config(settings: dict, args):
     for k in ks:
         SpeculativeConfig(method="ngram", num_speculative_tokens=k)  # validates K
     vs = variants(methods, ks, settings["draft_model"], _ints(settings["prompt_lookup_max"], "--prompt-lookup-max"),
-                  _ints(settings["prompt_lookup_min"], "--prompt-lookup-min"))
+                  _ints(settings["prompt_lookup_min"], "--prompt-lookup-min"), _bools(settings["adaptive"], "--adaptive"))
     if args.speculative_config:
         s = SpeculativeConfig.parse(args.speculative_config)
         if s.enabled:
             vs.append(Variant(s.method, s.num_speculative_tokens,
                               s.prompt_lookup_max if s.method == "ngram" else None,
-                              s.prompt_lookup_min if s.method == "ngram" else None, s.model))
+                              s.prompt_lookup_min if s.method == "ngram" else None, s.model, s.adaptive))
     vs = list(dict.fromkeys(vs))
     peers = [p for p in _names(settings["peers"]) if p != "none"]
     bad = [p for p in peers if p not in PEERS]

@@ -44,19 +44,21 @@ class Variant:
     lookup_max: int | None = None  # ngram only
     lookup_min: int | None = None
     draft: str | None = None  # draft_model only: the draft's name or path
+    adaptive: bool = True  # K planned per step up to k (engine/cost.py); False: always k
 
     @property
     def name(self) -> str:
         if self.method == "none":
             return "none"
+        fixed = "" if self.adaptive else " fixed"
         if self.method == "ngram":
-            return f"ngram K={self.k} n={self.lookup_min}..{self.lookup_max}"
-        return f"{self.method} K={self.k}"
+            return f"ngram K={self.k}{fixed} n={self.lookup_min}..{self.lookup_max}"
+        return f"{self.method} K={self.k}{fixed}"
 
     def spec(self, draft: LoadedModel | None) -> dict | None:
         if self.method == "none":
             return None
-        spec = {"method": self.method, "num_speculative_tokens": self.k}
+        spec = {"method": self.method, "num_speculative_tokens": self.k, "adaptive": self.adaptive}
         if self.method == "ngram":
             spec.update(prompt_lookup_max=self.lookup_max, prompt_lookup_min=self.lookup_min)
         if self.method == "draft_model":
@@ -68,17 +70,18 @@ class Variant:
 
 
 def variants(methods: list[str], ks: list[int], draft: str | None, lookup_max: list[int],
-             lookup_min: list[int]) -> list[Variant]:
+             lookup_min: list[int], adaptive: tuple[bool, ...] = (True,)) -> list[Variant]:
     """Every combination, ``none`` first (added when not asked for: it is the baseline)."""
     out = [Variant("none")]
     for m in methods:
         if m == "none":
             continue
         for k in ks:
-            if m == "ngram":
-                out += [Variant(m, k, hi, lo) for hi in lookup_max for lo in lookup_min if lo <= hi]
-            else:
-                out.append(Variant(m, k, draft=draft if m == "draft_model" else None))
+            for a in adaptive:
+                if m == "ngram":
+                    out += [Variant(m, k, hi, lo, adaptive=a) for hi in lookup_max for lo in lookup_min if lo <= hi]
+                else:
+                    out.append(Variant(m, k, draft=draft if m == "draft_model" else None, adaptive=a))
     return out
 
 

@@ -128,7 +128,7 @@ def plan_draft_lengths(
     base_rows: int,  # rows the target runs whatever the plan (every sequence's pending tokens)
     target: LinearCost,
     draft: LinearCost | None,  # None: drafts cost nothing to make (ngram)
-    catchup: list[int] | None = None,  # [batch] tokens the draft must read before it drafts
+    catchup: list[float] | None = None,  # [batch] rows the draft must read before it drafts (or a share of them)
 ) -> list[int]:
     """The K_i that maximize expected tokens per second of this step; [0] * batch = plain.
 

@@ -12,7 +12,7 @@ import itertools
 import time
 
 from quickdraft.config import EngineConfig
-from quickdraft.engine.cost import Acceptance, calibrate, plan_draft_lengths
+from quickdraft.engine.cost import Acceptance, calibrate, expected_tokens, plan_draft_lengths
 from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
 from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
@@ -107,10 +107,15 @@ class Engine:
         # a sequence without drafts for probe_interval steps is planned as if its drafts were good
         alphas = [max(prior, 0.5) if s.steps_without_drafts >= spec.probe_interval else s.acceptance.rate(prior)
                   for s in seqs]
-        return plan_draft_lengths(
-            alphas, caps, sum(len(s.pending_token_ids) for s in seqs), self.runner.target_cost,
-            self.proposer.cost, [self.proposer.catchup_rows(s) for s in seqs],
-        )
+        # The draft reads a sequence's unseen tokens once (its prompt, or what it missed while it
+        # did not draft), and drafts from then on: that cost is shared by the steps still to come.
+        catchup = []
+        for s, alpha, cap in zip(seqs, alphas, caps):
+            room = min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s))
+            steps_left = max(1.0, room / expected_tokens(alpha, cap))
+            catchup.append(self.proposer.catchup_rows(s) / steps_left)
+        return plan_draft_lengths(alphas, caps, sum(len(s.pending_token_ids) for s in seqs),
+                                  self.runner.target_cost, self.proposer.cost, catchup)
 
     def _postprocess(self, r: StepResult) -> RequestOutput:
         seq = r.seq

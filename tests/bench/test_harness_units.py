@@ -30,8 +30,11 @@ def test_variants_are_every_combination_with_none_first():
     assert "ngram K=2 n=4..3" not in names  # min > max is no setting
     assert names.count("draft_model K=4") == 1
     assert len(vs) == 1 + 2 * 3 + 2
-    assert Variant("ngram", 2, 4, 1).spec(None) == {"method": "ngram", "num_speculative_tokens": 2,
+    assert Variant("ngram", 2, 4, 1).spec(None) == {"method": "ngram", "num_speculative_tokens": 2, "adaptive": True,
                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    both = variants(["draft_model"], [4], "d", [4], [2], adaptive=(True, False))
+    assert [v.name for v in both] == ["none", "draft_model K=4", "draft_model K=4 fixed"]
+    assert both[2].spec("d")["adaptive"] is False
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -63,6 +66,7 @@ def test_suite_fills_in_what_the_flags_leave_out():
     ({"num_speculative_tokens": "2,x"}, "comma-separated integers"),
     ({"num_speculative_tokens": "40"}, "num_speculative_tokens"),
     ({"temperature": 0.5, "num_seeds": 1}, "num-seeds"),
+    ({"adaptive": "maybe"}, "--adaptive takes"),
 ])
 def test_bad_flags_are_clear_errors(kw, match):
     args = _args(**kw)
