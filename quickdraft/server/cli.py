@@ -88,7 +88,8 @@ def serve(args) -> int:
     k = spec.num_speculative_tokens if spec.enabled else 0
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY"),
                               spec_method=spec.method, num_speculative_tokens=k)
-    app = build_app(AsyncEngine(engine, ServerMetrics(names[0], k)), settings)
+    async_engine = AsyncEngine(engine, ServerMetrics(names[0], k), own_thread=False)
+    app = build_app(async_engine, settings)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
     server = DrainingServer(uv, settings)
@@ -100,11 +101,28 @@ def serve(args) -> int:
     for name, cost in (("target", engine.runner.target_cost), ("draft", engine.proposer.cost)):
         if cost is not None:
             log.info("%s pass, calibrated: %.1f ms + %.2f ms per row", name, cost.a * 1e3, cost.b * 1e3)
-    # uvicorn re-raises the signal it caught once it has shut down; with this no-op as the handler
-    # it restores, a drained SIGTERM ends in a normal return (exit status 0), not death by signal.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
-    return 0
+    return run_on_main_thread(server, async_engine)
+
+
+def run_on_main_thread(server: "DrainingServer", async_engine) -> int:
+    """HTTP in a thread, the engine loop here (async_engine.py says why). uvicorn installs no
+    signal handlers outside the main thread, so SIGTERM and SIGINT are passed on to it from here:
+    the first drains, a second SIGINT quits at once (uvicorn's own rule)."""
+    import threading
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:  # a drained shutdown has stopped the loop already; a failed start has not
+            async_engine.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: server.handle_exit(signum, frame))
+    thread = threading.Thread(target=http, name="quickdraft-http")
+    thread.start()
+    async_engine.run()
+    thread.join()
+    return 0 if server.started else 1
 
 
 class DrainingServer(uvicorn.Server):

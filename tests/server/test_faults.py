@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -157,3 +160,15 @@ def test_sigterm_drains_in_flight_then_exits_0():
         assert "Traceback" not in server.log()
     finally:
         server.stop()
+
+
+def test_a_port_in_use_is_a_clear_error_and_a_failing_exit():
+    """The HTTP thread cannot bind: the engine loop on the main thread stops too, status 1."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        p = subprocess.run([sys.executable, "-m", "quickdraft.cli", "serve", "--model", MODEL, "--dtype", "float32",
+                            "--max-model-len", "256", "--port", str(busy.getsockname()[1])],
+                           capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1
+    assert "address already in use" in p.stderr
