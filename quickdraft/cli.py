@@ -1,4 +1,4 @@
-"""``quickdraft generate | models | serve | bench``: flags named like ``vllm serve``'s where they exist.
+"""``quickdraft generate | models | serve | bench | profile``: flags named like ``vllm serve``'s where they exist.
 
 A mistake of the user's (a QuickdraftError) prints one clear line and exits with code 2; only a
 bug shows a traceback.
@@ -104,11 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_models)
 
     # The server and the bench register their own subcommands (their imports stay light).
+    from quickdraft import profile
     from quickdraft.bench import cli as bench_cli
     from quickdraft.server import cli as server_cli
 
     server_cli.register(sub)
     bench_cli.register(sub)
+    profile.register(sub)
     return parser
 
 

@@ -159,3 +159,12 @@ def plan_draft_lengths(
         if any(ks) and tokens / seconds > best_rate:
             best_ks, best_rate = ks, tokens / seconds
     return best_ks
+
+
+def step_rate(ks: list[int], alphas: list[float], base_rows: int, target: LinearCost,
+              draft: LinearCost | None) -> float:
+    """Expected tokens per second of one step with draft lengths ``ks`` (what the plan maximizes)."""
+    seconds = target(base_rows + sum(ks))
+    if draft is not None and any(ks):
+        seconds += sum(draft(sum(k >= j for k in ks)) for j in range(1, max(ks) + 1))
+    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from quickdraft.engine.cost import Acceptance, LinearCost, expected_tokens, plan_draft_lengths
+from quickdraft.engine.cost import Acceptance, LinearCost, expected_tokens, plan_draft_lengths, step_rate
 
 
 def test_linear_cost_fits_its_points_and_follows_what_it_observes():
@@ -74,13 +74,6 @@ def test_catching_up_counts_against_drafting():
     assert plan_draft_lengths([0.3], [1], 1, rows, draft, catchup=[200]) == [0]
 
 
-def _rate(ks, alphas, base_rows, target, draft):
-    seconds = target(base_rows + sum(ks))
-    if draft is not None and any(ks):
-        seconds += sum(draft(sum(k >= j for k in ks)) for j in range(1, max(ks) + 1))
-    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_the_plan_is_within_two_percent_of_the_best(seed):
     """Against every K vector by brute force, on random batches, acceptance rates and costs."""
@@ -89,6 +82,6 @@ def test_the_plan_is_within_two_percent_of_the_best(seed):
     alphas = [rng.random() for _ in range(batch)]
     target = LinearCost([(1, 0.1), (33, 0.1 + 32 * rng.uniform(0.0005, 0.03))])
     draft = None if seed % 2 else LinearCost([(1, rng.uniform(0.002, 0.04)), (33, 0.05 + 32 * rng.uniform(0, 0.005))])
-    best = max(_rate(ks, alphas, batch, target, draft) for ks in itertools.product(range(k + 1), repeat=batch))
+    best = max(step_rate(ks, alphas, batch, target, draft) for ks in itertools.product(range(k + 1), repeat=batch))
     plan = plan_draft_lengths(alphas, [k] * batch, batch, target, draft)
-    assert _rate(plan, alphas, batch, target, draft) >= 0.98 * best
+    assert step_rate(plan, alphas, batch, target, draft) >= 0.98 * best

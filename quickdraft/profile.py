@@ -1,0 +1,123 @@
+"""``quickdraft profile``: when does speculation pay on this machine, for this pair of models?
+
+It times the target's pass (and the draft's, for ``draft_model``) by rows, as the engine does at
+start-up (engine/cost.py), then asks the engine's own planner, for each batch size and each
+acceptance rate, which K it would choose and what speedup over plain decoding the cost model
+expects. The figures are predictions of the model from measured costs, not measured speedups:
+``quickdraft bench`` and ``python -m quickdraft.server.loadgen`` measure those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+BATCHES = (1, 2, 4, 8, 16)
+ALPHAS = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9)
+
+
+def register(sub) -> None:
+    from quickdraft.cli import add_model_args
+
+    p = sub.add_parser("profile", help="time this machine and say where speculation pays (K by batch and acceptance)")
+    add_model_args(p)
+    p.add_argument("--batch-sizes", default=",".join(map(str, BATCHES)), help="comma-separated")
+    p.add_argument("--acceptance-rates", default=",".join(map(str, ALPHAS)), help="comma-separated, in (0, 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", help="write a heat map of the expected speedup to this PNG")
+    p.set_defaults(func=profile)
+
+
+def predict(target, draft, k: int, batches, alphas) -> list[dict]:
+    """For each (batch, alpha): the planned K per sequence and the expected speedup over plain."""
+    from quickdraft.engine.cost import plan_draft_lengths, step_rate
+
+    rows = []
+    for b in batches:
+        for a in alphas:
+            ks = plan_draft_lengths([a] * b, [k] * b, b, target, draft)
+            plain = step_rate([0] * b, [a] * b, b, target, draft)
+            rows.append({"batch": b, "acceptance": a, "k": max(ks), "ks": ks,
+                         "speedup": step_rate(ks, [a] * b, b, target, draft) / plain})
+    return rows
+
+
+def profile(args) -> int:
+    from quickdraft.config import EngineConfig, SpeculativeConfig
+    from quickdraft.engine.engine import Engine
+    from quickdraft.errors import ConfigError
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if not spec.enabled:
+        raise ConfigError('profile needs --speculative-config with a method (e.g. {"method": "ngram"})',
+                          "speculative_config")
+    batches = _numbers(args.batch_sizes, int, "--batch-sizes")
+    alphas = _numbers(args.acceptance_rates, float, "--acceptance-rates")
+    if any(b < 1 for b in batches) or any(not 0 < a < 1 for a in alphas):
+        raise ConfigError("batch sizes must be >= 1 and acceptance rates in (0, 1)")
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          max_model_len=args.max_model_len or 512, max_num_seqs=1,
+                          speculative=dataclasses.replace(spec, adaptive=True))
+    engine = Engine(config)
+    target, draft = engine.runner.target_cost, engine.proposer.cost
+    rows = predict(target, draft, spec.num_speculative_tokens, batches, alphas)
+    result = {"model": args.model, "method": spec.method, "draft": spec.model, "k": spec.num_speculative_tokens,
+              "target_cost": target.to_dict(), "draft_cost": draft.to_dict() if draft else None, "plan": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_table(result, batches, alphas))
+    if args.plot:
+        _plot(result, batches, alphas, Path(args.plot))
+    return 0
+
+
+def _numbers(text: str, kind, flag: str) -> list:
+    from quickdraft.errors import ConfigError
+
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
+def _table(result: dict, batches, alphas) -> str:
+    t = result["target_cost"]
+    lines = [f"target pass: {t['a_s'] * 1e3:.1f} ms + {t['b_s_per_row'] * 1e3:.2f} ms per row"]
+    if result["draft_cost"]:
+        d = result["draft_cost"]
+        lines.append(f"draft pass:  {d['a_s'] * 1e3:.1f} ms + {d['b_s_per_row'] * 1e3:.2f} ms per row")
+    lines += ["", f"{result['method']}, K up to {result['k']}: planned K / expected speedup over plain decoding",
+              "batch | " + " | ".join(f"alpha {a:.1f}" for a in alphas)]
+    cell = {(r["batch"], r["acceptance"]): r for r in result["plan"]}
+    for b in batches:
+        lines.append(f"{b:5d} | " + " | ".join(
+            f"K={cell[b, a]['k']} {cell[b, a]['speedup']:.2f}x".rjust(9) for a in alphas))
+    return "\n".join(lines)
+
+
+def _plot(result: dict, batches, alphas, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cell = {(r["batch"], r["acceptance"]): r for r in result["plan"]}
+    grid = [[cell[b, a]["speedup"] for a in alphas] for b in batches]
+    fig, ax = plt.subplots(figsize=(1.2 * len(alphas) + 2, 0.6 * len(batches) + 1.8))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(alphas)), [f"{a:.1f}" for a in alphas])
+    ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("acceptance rate")
+    ax.set_ylabel("running sequences")
+    for i, b in enumerate(batches):
+        for j, a in enumerate(alphas):
+            r = cell[b, a]
+            ax.text(j, i, f"K={r['k']}\n{r['speedup']:.2f}x", ha="center", va="center", fontsize=8, color="white")
+    fig.colorbar(im, ax=ax, label="expected speedup")
+    ax.set_title(f"{result['method']} on {result['model']}: the plan's K and expected speedup")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

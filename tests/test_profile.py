@@ -1,0 +1,35 @@
+"""``quickdraft profile``: the planner's K and expected speedup by batch and acceptance rate."""
+
+from __future__ import annotations
+
+import json
+
+from quickdraft.cli import main
+from quickdraft.engine.cost import LinearCost
+from quickdraft.profile import predict
+
+
+def test_predict_turns_speculation_off_where_rows_are_dear():
+    target = LinearCost([(1, 0.12), (33, 0.12 + 32 * 0.011)])  # the 1.5B target here: 11 ms a row
+    draft = LinearCost([(1, 0.03), (33, 0.03 + 32 * 0.0044)])
+    rows = {(r["batch"], r["acceptance"]): r for r in predict(target, draft, 4, [1, 16], [0.2, 0.9])}
+    assert rows[1, 0.9]["k"] > 0 and rows[1, 0.9]["speedup"] > 1.5
+    assert rows[1, 0.2]["k"] == 0 and rows[1, 0.2]["speedup"] == 1.0
+    assert rows[16, 0.9]["speedup"] < rows[1, 0.9]["speedup"]
+    assert all(r["speedup"] >= 1.0 for r in rows.values())  # the plan never expects a loss
+
+
+def test_profile_command(capsys, tmp_path, smollm2_path):
+    png = tmp_path / "plan.png"
+    code = main(["profile", "--model", str(smollm2_path), "--speculative-config", '{"method": "ngram"}',
+                 "--batch-sizes", "1,4", "--acceptance-rates", "0.3,0.8", "--json", "--plot", str(png)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["target_cost"]["a_s"] > 0 and out["draft_cost"] is None
+    assert len(out["plan"]) == 4 and all(0 <= r["k"] <= 4 and r["speedup"] >= 1.0 for r in out["plan"])
+    assert png.stat().st_size > 10_000
+
+
+def test_profile_needs_a_method(capsys):
+    assert main(["profile", "--model", "smollm2-135m-instruct"]) == 2
+    assert "needs --speculative-config" in capsys.readouterr().err
