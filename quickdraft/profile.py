@@ -29,17 +29,19 @@ def register(sub) -> None:
     p.set_defaults(func=profile)
 
 
-def predict(target, draft, k: int, batches, alphas) -> list[dict]:
-    """For each (batch, alpha): the planned K per sequence and the expected speedup over plain."""
+def predict(target, draft, k: int, batches, alphas, context: int = 256) -> list[dict]:
+    """For each (batch, alpha): the planned K per sequence and the expected speedup over plain,
+    for sequences ``context`` tokens long."""
     from quickdraft.engine.cost import plan_draft_lengths, step_rate
 
     rows = []
     for b in batches:
         for a in alphas:
-            ks = plan_draft_lengths([a] * b, [k] * b, b, target, draft)
-            plain = step_rate([0] * b, [a] * b, b, target, draft)
+            ctx = [context] * b
+            ks = plan_draft_lengths([a] * b, [k] * b, target, draft, contexts=ctx)
+            plain = step_rate([0] * b, [a] * b, target, draft, ctx)
             rows.append({"batch": b, "acceptance": a, "k": max(ks), "ks": ks,
-                         "speedup": step_rate(ks, [a] * b, b, target, draft) / plain})
+                         "speedup": step_rate(ks, [a] * b, target, draft, ctx) / plain})
     return rows
 
 
@@ -63,7 +65,7 @@ def profile(args) -> int:
     target, draft = engine.runner.target_cost, engine.proposer.cost
     rows = predict(target, draft, spec.num_speculative_tokens, batches, alphas)
     result = {"model": args.model, "method": spec.method, "draft": spec.model, "k": spec.num_speculative_tokens,
-              "target_cost": target.to_dict(), "draft_cost": draft.to_dict() if draft else None, "plan": rows}
+              "context": 256, "target_cost": target.to_dict(), "draft_cost": draft.to_dict() if draft else None, "plan": rows}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -82,13 +84,17 @@ def _numbers(text: str, kind, flag: str) -> list:
         raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
 
 
+def describe(cost: dict) -> str:
+    """A LinearCost's to_dict() in words."""
+    return (f"{cost['a_s'] * 1e3:.1f} ms + {cost['b_s_per_row'] * 1e3:.2f} ms per row + "
+            f"{cost['s_per_chain'] * 1e3:.2f} ms per sequence + {cost['s_per_1k_keys'] * 1e3:.2f} ms per 1000 keys read")
+
+
 def _table(result: dict, batches, alphas) -> str:
-    t = result["target_cost"]
-    lines = [f"target pass: {t['a_s'] * 1e3:.1f} ms + {t['b_s_per_row'] * 1e3:.2f} ms per row"]
-    if result["draft_cost"]:
-        d = result["draft_cost"]
-        lines.append(f"draft pass:  {d['a_s'] * 1e3:.1f} ms + {d['b_s_per_row'] * 1e3:.2f} ms per row")
-    lines += ["", f"{result['method']}, K up to {result['k']}: planned K / expected speedup over plain decoding",
+    lines = [f"{name} pass: {describe(result[key])}" for name, key in (("target", "target_cost"), ("draft", "draft_cost"))
+             if result[key]]
+    lines += ["", f"{result['method']}, K up to {result['k']}, {result['context']}-token contexts: "
+              "planned K / expected speedup over plain decoding",
               "batch | " + " | ".join(f"alpha {a:.1f}" for a in alphas)]
     cell = {(r["batch"], r["acceptance"]): r for r in result["plan"]}
     for b in batches:

@@ -7,9 +7,10 @@ are a few rows), and the target's cost grows with the batch's total rows. A fixe
 batch-size switch (vLLM's ``disable_by_batch_size``) is right for one workload and wrong for the
 next, so the engine plans each step the way SmartSpec (Liu et al. 2024, "goodput") does:
 
-* ``LinearCost``: seconds = a + b * rows for one pass of a model, fitted by least squares to a
-  short calibration at start-up and refitted to every pass the engine times afterwards, so the
-  model follows the machine (a shared machine's speed drifts).
+* ``LinearCost``: seconds = a + b * rows + s * chains + c * keys read, for one pass of a model,
+  fitted by least squares to a short calibration at start-up (a few seconds for a 1.5B on this
+  CPU) and refitted to every pass the engine times afterwards, so the model follows the machine
+  (a shared machine's speed drifts).
 * Each sequence's acceptance rate alpha is estimated from its own recent passes, shrunk towards
   the engine-wide rate while it has few; under the usual i.i.d. model a chain of k drafts yields
   1 + alpha + ... + alpha^k tokens on average (Leviathan et al. 2023, eq. 1).
@@ -29,71 +30,113 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32)
+# Calibration passes: (chains, new tokens per chain, context before them). Context and chain
+# count matter beside rows: attention reads every cached key for every row, and each chain has
+# its own attention calls (models/decoder.py), so a batch of 8 chains of 5 costs more than one
+# chain of 40 (572 against ~475 ms for the 1.5B here).
+CALIBRATION = ((1, 1, 0), (1, 4, 0), (1, 16, 0), (1, 32, 0), (1, 1, 256), (1, 8, 256), (4, 1, 256),
+               (4, 4, 256), (8, 2, 256))
 RECENT = 64  # passes kept for the refit
-ANCHOR_WEIGHT = 4.0  # a calibration point weighs as much as this many timed passes
+ANCHOR_WEIGHT = 2.0  # a calibration point weighs as much as this many timed passes
+FEATURES = ("pass", "row", "chain", "key")
+
+
+def key_reads(context: int, rows: int) -> int:
+    """Keys a chain of ``rows`` new tokens after ``context`` cached ones attends over in all."""
+    return rows * context + rows * (rows + 1) // 2
 
 
 class LinearCost:
-    """seconds(rows) = a + b * rows, for one forward pass of one model over a batch of rows."""
+    """seconds = a + b * rows + s * chains + c * key_reads, for one forward pass of one model.
 
-    def __init__(self, points: list[tuple[int, float]]):
+    Fitted by weighted least squares with every coefficient kept >= 0 (a feature that comes out
+    negative is dropped and the rest refitted); a feature the points do not vary is left at 0.
+    Points are (rows, seconds), or (rows, chains, key_reads, seconds)."""
+
+    def __init__(self, points: list[tuple]):
         if not points:
             raise ValueError("a cost model needs at least one calibration point")
-        self._anchors = list(points)
-        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT)
+        self._anchors = [self._point(*p) for p in points]
+        self._recent: collections.deque[tuple[float, ...]] = collections.deque(maxlen=RECENT)
         self._fit()
+
+    @staticmethod
+    def _point(*p) -> tuple[float, ...]:
+        rows, chains, keys, seconds = (p[0], 1, 0, p[1]) if len(p) == 2 else p
+        return (1.0, float(rows), float(chains), float(keys), float(seconds))
 
     @property
     def a(self) -> float:
-        return self._a
+        return self._coef[0]
 
     @property
     def b(self) -> float:
-        return self._b
+        return self._coef[1]
 
-    def __call__(self, rows: int) -> float:
-        return self._a + self._b * rows
+    @property
+    def per_chain(self) -> float:
+        return self._coef[2]
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self._recent.append((rows, seconds))
+    @property
+    def per_key(self) -> float:
+        return self._coef[3]
+
+    def __call__(self, rows: int, chains: int = 1, keys: int = 0) -> float:
+        a, b, s, c = self._coef
+        return a + b * rows + s * chains + c * keys
+
+    def observe(self, rows: int, seconds: float, chains: int = 1, keys: int = 0) -> None:
+        self._recent.append(self._point(rows, chains, keys, seconds))
         self._fit()
 
     def _fit(self) -> None:
-        pts = self._anchors + list(self._recent)
-        w = np.array([ANCHOR_WEIGHT] * len(self._anchors) + [1.0] * len(self._recent))
-        x = np.array([p[0] for p in pts], dtype=np.float64)
-        y = np.array([p[1] for p in pts], dtype=np.float64)
-        if np.ptp(x) == 0:  # one row count only: no slope to learn, so assume rows cost in proportion
-            self._a, self._b = 0.0, float(np.average(y, weights=w)) / max(x[0], 1.0)
+        pts = np.array(self._anchors + list(self._recent))
+        w = np.sqrt(np.array([ANCHOR_WEIGHT] * len(self._anchors) + [1.0] * len(self._recent)))
+        x, y = pts[:, :4], pts[:, 4]
+        coef = np.zeros(4)
+        # the intercept, and each feature the points vary
+        active = [0] + [j for j in range(1, 4) if np.ptp(x[:, j]) > 0]
+        if active == [0]:  # one shape only: no slope to learn, so assume rows cost in proportion
+            coef[1] = float(np.average(y, weights=w**2)) / max(x[0, 1], 1.0)
+            self._coef = coef
             return
-        xm, ym = np.average(x, weights=w), np.average(y, weights=w)
-        b = float(np.sum(w * (x - xm) * (y - ym)) / np.sum(w * (x - xm) ** 2))
-        b = max(b, 0.0)
-        self._a, self._b = max(float(ym - b * xm), 0.0), b
+        while True:
+            sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            negative = [j for j, v in zip(active, sol) if v < 0 and j != 0]
+            if not negative:
+                break
+            active = [j for j in active if j not in negative]
+        coef[active] = np.maximum(sol, 0.0)
+        self._coef = coef
 
     def to_dict(self) -> dict:
-        return {"a_s": self._a, "b_s_per_row": self._b}
+        a, b, s, c = self._coef
+        return {"a_s": a, "b_s_per_row": b, "s_per_chain": s, "s_per_1k_keys": c * 1000}
 
 
-def calibrate(decoder, kv, slot: int = 0, rows=CALIBRATION_ROWS, repeats: int = 2) -> LinearCost:
-    """Time ``decoder`` on chains of ``rows`` new tokens at the start of ``slot`` (best of
-    ``repeats``). It writes keys there, so call it before any sequence holds that slot."""
+def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
+    """Time ``decoder`` on the passes of ``shapes`` (best of two after a warm-up), all on ``slot``:
+    it first fills the context, and each chain of a pass writes over the same positions. Call it
+    before any sequence holds that slot."""
     from quickdraft.models.decoder import AttentionMetadata
 
-    rows = [r for r in rows if r <= kv.max_len]
-    points = []
     device = decoder.device
-    for n in rows:
-        meta = AttentionMetadata.chain([slot], [0], [n])
-        tokens = torch.zeros(n, dtype=torch.long, device=device)
+    shapes = [(n, q, ctx) for n, q, ctx in shapes if ctx + q <= kv.max_len]
+    context = max(ctx for _, _, ctx in shapes)
+    if context:
+        meta = AttentionMetadata.chain([slot], [0], [context])
+        decoder.forward(torch.zeros(context, dtype=torch.long, device=device), meta.positions(device), kv, meta)
+    points = []
+    for n, q, ctx in shapes:
+        meta = AttentionMetadata.chain([slot] * n, [ctx] * n, [q] * n)
+        tokens = torch.zeros(n * q, dtype=torch.long, device=device)
         positions = meta.positions(device)
         best = float("inf")
-        for _ in range(repeats + 1):  # the first run warms caches and kernels
+        for _ in range(3):  # the first run warms caches and kernels
             t0 = time.perf_counter()
-            decoder.logits(decoder.forward(tokens, positions, kv, meta)[-1:]).cpu()
+            decoder.logits(decoder.forward(tokens, positions, kv, meta)[-n:]).cpu()
             best = min(best, time.perf_counter() - t0)
-        points.append((n, best))
+        points.append((n * q, n, n * key_reads(ctx, q), best))
     return LinearCost(points)
 
 
@@ -125,33 +168,44 @@ def expected_tokens(alpha: float, k: int) -> float:
 def plan_draft_lengths(
     alphas: list[float],  # [batch] acceptance estimate per sequence
     caps: list[int],  # [batch] the most drafts each may take (0: none this step)
-    base_rows: int,  # rows the target runs whatever the plan (every sequence's pending tokens)
     target: LinearCost,
     draft: LinearCost | None,  # None: drafts cost nothing to make (ngram)
-    catchup: list[float] | None = None,  # [batch] rows the draft must read before it drafts (or a share of them)
+    pending: list[int] | None = None,  # [batch] tokens each feeds the target whatever the plan (default 1)
+    contexts: list[int] | None = None,  # [batch] tokens each has in the target's cache (default 0)
+    catchup: list[float] | None = None,  # [batch] rows the draft must read before it drafts (or a share)
 ) -> list[int]:
     """The K_i that maximize expected tokens per second of this step; [0] * batch = plain.
 
     For each draft depth L the fixed cost is L draft passes; then draft tokens are added in
     order of their expected gain alpha_i^j while each one's gain per second beats the step's
     tokens per second so far (adding a better-than-average item raises the average). The best L
-    wins. Costs are linear in rows, so the marginal cost of a token is one target row plus one
-    draft row, plus the draft's catch-up rows for a sequence's first draft."""
+    wins. A token's cost is one target row and one draft row (one chain of a draft pass), both
+    dearer for a longer context, plus the draft's catch-up rows for a sequence's first draft."""
     batch = len(alphas)
-    catchup = catchup or [0] * batch
-    a_d, b_d = (draft.a, draft.b) if draft is not None else (0.0, 0.0)
-    best_ks, best_rate = [0] * batch, batch / max(target(base_rows), 1e-9)
+    pending = pending or [1] * batch
+    contexts = contexts or [0] * batch
+    catchup = catchup or [0.0] * batch
+    base = target(sum(pending), batch, sum(key_reads(c, p) for c, p in zip(contexts, pending)))
+    ctx = [c + p for c, p in zip(contexts, pending)]  # where a sequence's drafts start
+    token_cost = [target.b + target.per_key * ctx[i] for i in range(batch)]
+    if draft is not None:
+        for i in range(batch):
+            token_cost[i] += draft.b + draft.per_chain + draft.per_key * ctx[i]
+    first_cost = [draft.b * catchup[i] + draft.per_key * catchup[i] * ctx[i] if draft is not None else 0.0
+                  for i in range(batch)]
+    a_d = draft.a if draft is not None else 0.0
+    best_ks, best_rate = [0] * batch, batch / max(base, 1e-9)
     for depth in range(1, max(caps, default=0) + 1):
         items = sorted(
             ((alphas[i] ** j, i, j) for i in range(batch) for j in range(1, min(depth, caps[i]) + 1)),
             key=lambda item: (-item[0], item[2], item[1]),
         )
         ks = [0] * batch
-        tokens, seconds = float(batch), target(base_rows) + depth * a_d
+        tokens, seconds = float(batch), base + depth * a_d
         for gain, i, j in items:
             if ks[i] != j - 1:
                 continue  # its earlier draft was not worth it, so this one is not either
-            cost = target.b + b_d + (b_d * catchup[i] if j == 1 else 0.0)
+            cost = token_cost[i] + (first_cost[i] if j == 1 else 0.0)
             if gain * seconds > tokens * cost:
                 ks[i] = j
                 tokens += gain
@@ -161,10 +215,14 @@ def plan_draft_lengths(
     return best_ks
 
 
-def step_rate(ks: list[int], alphas: list[float], base_rows: int, target: LinearCost,
-              draft: LinearCost | None) -> float:
-    """Expected tokens per second of one step with draft lengths ``ks`` (what the plan maximizes)."""
-    seconds = target(base_rows + sum(ks))
+def step_rate(ks: list[int], alphas: list[float], target: LinearCost, draft: LinearCost | None,
+              contexts: list[int] | None = None) -> float:
+    """Expected tokens per second of one decoding step (one pending token each) with draft
+    lengths ``ks``: what the plan maximizes, computed pass by pass."""
+    contexts = contexts or [0] * len(ks)
+    seconds = target(len(ks) + sum(ks), len(ks), sum(key_reads(c, 1 + k) for c, k in zip(contexts, ks)))
     if draft is not None and any(ks):
-        seconds += sum(draft(sum(k >= j for k in ks)) for j in range(1, max(ks) + 1))
+        for j in range(1, max(ks) + 1):
+            drafting = [i for i, k in enumerate(ks) if k >= j]
+            seconds += draft(len(drafting), len(drafting), sum(contexts[i] + j for i in drafting))
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds

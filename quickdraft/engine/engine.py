@@ -104,9 +104,11 @@ class Engine:
         if not spec.adaptive or not any(caps):
             return caps
         prior = self.acceptance.rate(0.5)
-        # a sequence without drafts for probe_interval steps is planned as if its drafts were good
-        alphas = [max(prior, 0.5) if s.steps_without_drafts >= spec.probe_interval else s.acceptance.rate(prior)
-                  for s in seqs]
+        # a sequence without drafts for probe_interval steps is planned as if its drafts were
+        # good, for one draft token (a probe should cost little when the text is still unpredictable)
+        due = [s.steps_without_drafts >= spec.probe_interval for s in seqs]
+        alphas = [max(prior, 0.5) if d else s.acceptance.rate(prior) for s, d in zip(seqs, due)]
+        caps = [min(c, 1) if d else c for c, d in zip(caps, due)]
         # The draft reads a sequence's unseen tokens once (its prompt, or what it missed while it
         # did not draft), and drafts from then on: that cost is shared by the steps still to come.
         catchup = []
@@ -114,8 +116,8 @@ class Engine:
             room = min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s))
             steps_left = max(1.0, room / expected_tokens(alpha, cap))
             catchup.append(self.proposer.catchup_rows(s) / steps_left)
-        return plan_draft_lengths(alphas, caps, sum(len(s.pending_token_ids) for s in seqs),
-                                  self.runner.target_cost, self.proposer.cost, catchup)
+        return plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
+                                  [len(s.pending_token_ids) for s in seqs], [s.num_cached for s in seqs], catchup)
 
     def _postprocess(self, r: StepResult) -> RequestOutput:
         seq = r.seq

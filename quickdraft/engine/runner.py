@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.engine.cost import LinearCost
+from quickdraft.engine.cost import LinearCost, key_reads
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence
@@ -43,6 +43,7 @@ class Runner:
         proposal = self._propose(seqs, num_draft)
         started = time.perf_counter()
         pending = [len(s.pending_token_ids) for s in seqs]
+        keys = sum(key_reads(s.num_cached, p + k) for s, p, k in zip(seqs, pending, proposal.num_tokens))
         logits = self._score(seqs, proposal)  # [num_draft_tokens + batch, V]
         ok = self._finite_rows(logits, proposal.num_tokens)  # [batch] bool
         outcome = verify(
@@ -54,7 +55,8 @@ class Runner:
         self.proposer.observe(seqs, outcome)
         results = self._commit(seqs, proposal, outcome, ok)
         if self.target_cost is not None and max(pending) == 1:  # decoding passes only: prompt passes cost otherwise
-            self.target_cost.observe(len(seqs) + sum(proposal.num_tokens), time.perf_counter() - started)
+            self.target_cost.observe(len(seqs) + sum(proposal.num_tokens), time.perf_counter() - started,
+                                     len(seqs), keys)
         return results
 
     def _propose(self, seqs, num_draft) -> DraftProposal:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from quickdraft.engine.cost import calibrate
+from quickdraft.engine.cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
@@ -61,12 +61,13 @@ class DraftModelProposer:
             if not active:
                 break
             started, rows = time.perf_counter(), sum(len(feed[i]) for i in active)
+            keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
             logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), V]
             tokens, q = self._sample([seqs[i] for i in active], logits, sampled)
             confident = self._confident(logits, tokens)  # [len(active)] bool
             tokens = tokens.tolist()
             if self.cost is not None:
-                self.cost.observe(rows, time.perf_counter() - started)
+                self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
                 if q is not None:

@@ -74,6 +74,7 @@ def serve(args) -> int:
     from quickdraft.config import EngineConfig
     from quickdraft.engine.engine import Engine
     from quickdraft.errors import ConfigError
+    from quickdraft.profile import describe
     from quickdraft.server.app import ServerSettings, build_app
     from quickdraft.server.async_engine import AsyncEngine
     from quickdraft.server.metrics import ServerMetrics
@@ -100,7 +101,7 @@ def serve(args) -> int:
              spec.disable_by_batch_size, args.max_num_seqs, args.max_queue)
     for name, cost in (("target", engine.runner.target_cost), ("draft", engine.proposer.cost)):
         if cost is not None:
-            log.info("%s pass, calibrated: %.1f ms + %.2f ms per row", name, cost.a * 1e3, cost.b * 1e3)
+            log.info("%s pass, calibrated: %s", name, describe(cost.to_dict()))
     return run_on_main_thread(server, async_engine)
 
 

@@ -19,6 +19,14 @@ def test_linear_cost_fits_its_points_and_follows_what_it_observes():
     assert cost(5) == pytest.approx(0.30, rel=0.15) and cost(17) == pytest.approx(0.54, rel=0.15)
 
 
+def test_linear_cost_learns_chains_and_keys():
+    truth = lambda r, n, k: 0.1 + 0.01 * r + 0.002 * n + 1e-6 * k  # noqa: E731
+    shapes = [(1, 1, 0), (4, 1, 10), (16, 1, 136), (1, 1, 256), (8, 1, 2084), (4, 4, 1028), (16, 8, 4100)]
+    cost = LinearCost([(r, n, k, truth(r, n, k)) for r, n, k in shapes])
+    assert (cost.a, cost.b, cost.per_chain, cost.per_key) == pytest.approx((0.1, 0.01, 0.002, 1e-6))
+    assert cost(40, 8, 12000) == pytest.approx(truth(40, 8, 12000))
+
+
 def test_linear_cost_never_goes_negative():
     cost = LinearCost([(1, 0.3), (8, 0.1)])  # noise can make a slope negative
     assert cost.b == 0.0 and cost.a > 0
@@ -47,31 +55,31 @@ DEAR_ROWS = LinearCost([(1, 0.100), (33, 0.900)])  # a row costs 25%: compute bo
 
 
 def test_good_drafts_take_the_full_k_when_rows_are_cheap():
-    assert plan_draft_lengths([0.9], [8], 1, CHEAP_ROWS, None) == [8]
+    assert plan_draft_lengths([0.9], [8], CHEAP_ROWS, None) == [8]
 
 
 def test_failing_drafts_are_not_verified():
-    assert plan_draft_lengths([0.01], [8], 1, CHEAP_ROWS, None) == [0]
-    assert plan_draft_lengths([0.9, 0.01, 0.8], [4, 4, 4], 3, CHEAP_ROWS, None) == [4, 0, 4]
+    assert plan_draft_lengths([0.01], [8], CHEAP_ROWS, None) == [0]
+    assert plan_draft_lengths([0.9, 0.01, 0.8], [4, 4, 4], CHEAP_ROWS, None) == [4, 0, 4]
 
 
 def test_dear_rows_shorten_drafts_and_a_big_batch_turns_them_off():
     draft = LinearCost([(1, 0.02), (33, 0.10)])
-    single = plan_draft_lengths([0.8], [8], 1, DEAR_ROWS, draft)
+    single = plan_draft_lengths([0.8], [8], DEAR_ROWS, draft)
     assert 0 < single[0] < 8
-    by_batch = [max(plan_draft_lengths([0.8] * b, [8] * b, b, DEAR_ROWS, draft)) for b in (1, 2, 4, 8, 16, 32)]
+    by_batch = [max(plan_draft_lengths([0.8] * b, [8] * b, DEAR_ROWS, draft)) for b in (1, 2, 4, 8, 16, 32)]
     assert by_batch == sorted(by_batch, reverse=True) and by_batch[-1] == 0
 
 
 def test_caps_are_respected():
-    assert plan_draft_lengths([0.99, 0.99], [2, 0], 2, CHEAP_ROWS, None) == [2, 0]
+    assert plan_draft_lengths([0.99, 0.99], [2, 0], CHEAP_ROWS, None) == [2, 0]
 
 
 def test_catching_up_counts_against_drafting():
     draft = LinearCost([(1, 0.01), (33, 0.05)])  # 1.25 ms a row
     rows = LinearCost([(1, 0.100), (33, 0.160)])
-    assert plan_draft_lengths([0.3], [1], 1, rows, draft, catchup=[0]) == [1]
-    assert plan_draft_lengths([0.3], [1], 1, rows, draft, catchup=[200]) == [0]
+    assert plan_draft_lengths([0.3], [1], rows, draft, catchup=[0]) == [1]
+    assert plan_draft_lengths([0.3], [1], rows, draft, catchup=[200]) == [0]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -80,8 +88,15 @@ def test_the_plan_is_within_two_percent_of_the_best(seed):
     rng = random.Random(seed)
     batch, k = rng.randint(1, 4), rng.randint(1, 4)
     alphas = [rng.random() for _ in range(batch)]
-    target = LinearCost([(1, 0.1), (33, 0.1 + 32 * rng.uniform(0.0005, 0.03))])
-    draft = None if seed % 2 else LinearCost([(1, rng.uniform(0.002, 0.04)), (33, 0.05 + 32 * rng.uniform(0, 0.005))])
-    best = max(step_rate(ks, alphas, batch, target, draft) for ks in itertools.product(range(k + 1), repeat=batch))
-    plan = plan_draft_lengths(alphas, [k] * batch, batch, target, draft)
-    assert step_rate(plan, alphas, batch, target, draft) >= 0.98 * best
+    contexts = [rng.randint(0, 2000) for _ in range(batch)]
+
+    def cost(a, b, s, c):  # points from known coefficients: (rows, chains, keys, seconds)
+        shapes = [(1, 1, 0), (32, 1, 0), (8, 8, 4000), (4, 1, 8000), (2, 2, 100)]
+        return LinearCost([(r, n, kk, a + b * r + s * n + c * kk) for r, n, kk in shapes])
+
+    target = cost(0.1, rng.uniform(0.0005, 0.03), rng.uniform(0, 0.003), rng.uniform(0, 2e-6))
+    draft = None if seed % 2 else cost(rng.uniform(0.002, 0.04), rng.uniform(0, 0.005), rng.uniform(0, 0.002),
+                                       rng.uniform(0, 1e-6))
+    best = max(step_rate(ks, alphas, target, draft, contexts) for ks in itertools.product(range(k + 1), repeat=batch))
+    plan = plan_draft_lengths(alphas, [k] * batch, target, draft, contexts=contexts)
+    assert step_rate(plan, alphas, target, draft, contexts) >= 0.98 * best
