@@ -38,7 +38,7 @@ class SpeculativeConfig:
     # enough that verification rows are dear drafts less or not at all. False: always K.
     adaptive: bool = True
     # adaptive: a sequence left without drafts this many steps is planned again as if its
-    # drafts were good (an acceptance rate of at least 0.5), for one draft token, to see whether
+    # drafts were good (an acceptance rate of at least 0.8), for one draft token, to see whether
     # its text has become predictable again.
     probe_interval: int = 8
     # Speculation turns off for a step whose running batch has at least this many sequences:

@@ -24,6 +24,7 @@ from quickdraft.proposers.base import ProposerContext, create_proposer
 from quickdraft.sampling import SamplingParams, make_generator
 
 DEFAULT_MAX_MODEL_LEN = 4096
+PROBE_ACCEPTANCE = 0.8  # the acceptance rate a probe is planned with (adaptive K)
 
 
 class Engine:
@@ -97,25 +98,22 @@ class Engine:
         spec = self.config.speculative
         if not spec.enabled or (spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size):
             return [0] * len(seqs)
-        caps = []
-        for s in seqs:
-            room = min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) - 1
-            caps.append(0 if len(s.pending_token_ids) != 1 else max(0, min(spec.num_speculative_tokens, room)))
+        rooms = [min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) for s in seqs]
+        caps = [0 if len(s.pending_token_ids) != 1 else max(0, min(spec.num_speculative_tokens, room - 1))
+                for s, room in zip(seqs, rooms)]
         if not spec.adaptive or not any(caps):
             return caps
         prior = self.acceptance.rate(0.5)
-        # a sequence without drafts for probe_interval steps is planned as if its drafts were
-        # good, for one draft token (a probe should cost little when the text is still unpredictable)
+        # A sequence without drafts for probe_interval steps is planned as if its drafts were
+        # good, for one draft token: a probe that fails costs one row, one that succeeds shows
+        # that its text has turned predictable.
         due = [s.steps_without_drafts >= spec.probe_interval for s in seqs]
-        alphas = [max(prior, 0.5) if d else s.acceptance.rate(prior) for s, d in zip(seqs, due)]
+        alphas = [max(prior, PROBE_ACCEPTANCE) if d else s.acceptance.rate(prior) for s, d in zip(seqs, due)]
         caps = [min(c, 1) if d else c for c, d in zip(caps, due)]
         # The draft reads a sequence's unseen tokens once (its prompt, or what it missed while it
         # did not draft), and drafts from then on: that cost is shared by the steps still to come.
-        catchup = []
-        for s, alpha, cap in zip(seqs, alphas, caps):
-            room = min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s))
-            steps_left = max(1.0, room / expected_tokens(alpha, cap))
-            catchup.append(self.proposer.catchup_rows(s) / steps_left)
+        catchup = [self.proposer.catchup_rows(s) / max(1.0, room / expected_tokens(alpha, cap))
+                   for s, room, alpha, cap in zip(seqs, rooms, alphas, caps)]
         return plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
                                   [len(s.pending_token_ids) for s in seqs], [s.num_cached for s in seqs], catchup)
 
