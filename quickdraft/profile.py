@@ -120,7 +120,9 @@ def _plot(result: dict, batches, alphas, path: Path) -> None:
     for i, b in enumerate(batches):
         for j, a in enumerate(alphas):
             r = cell[b, a]
-            ax.text(j, i, f"K={r['k']}\n{r['speedup']:.2f}x", ha="center", va="center", fontsize=8, color="white")
+            bright = im.norm(r["speedup"]) > 0.6  # the colour map is light at its top
+            ax.text(j, i, f"K={r['k']}\n{r['speedup']:.2f}x", ha="center", va="center", fontsize=8,
+                    color="black" if bright else "white")
     fig.colorbar(im, ax=ax, label="expected speedup")
     ax.set_title(f"{result['method']} on {result['model']}: the plan's K and expected speedup")
     path.parent.mkdir(parents=True, exist_ok=True)
