@@ -38,7 +38,6 @@ CALIBRATION = ((1, 1, 0), (1, 4, 0), (1, 16, 0), (1, 32, 0), (1, 1, 256), (1, 8,
                (4, 4, 256), (8, 2, 256))
 RECENT = 64  # passes kept for the refit
 ANCHOR_WEIGHT = 2.0  # a calibration point weighs as much as this many timed passes
-FEATURES = ("pass", "row", "chain", "key")
 
 
 def key_reads(context: int, rows: int) -> int:
@@ -122,7 +121,7 @@ def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
 
     device = decoder.device
     shapes = [(n, q, ctx) for n, q, ctx in shapes if ctx + q <= kv.max_len]
-    context = max(ctx for _, _, ctx in shapes)
+    context = max((ctx for _, _, ctx in shapes), default=0)
     if context:
         meta = AttentionMetadata.chain([slot], [0], [context])
         decoder.forward(torch.zeros(context, dtype=torch.long, device=device), meta.positions(device), kv, meta)
@@ -132,10 +131,11 @@ def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
         tokens = torch.zeros(n * q, dtype=torch.long, device=device)
         positions = meta.positions(device)
         best = float("inf")
-        for _ in range(3):  # the first run warms caches and kernels
+        for run in range(3):  # the first run warms caches and kernels
             t0 = time.perf_counter()
             decoder.logits(decoder.forward(tokens, positions, kv, meta)[-n:]).cpu()
-            best = min(best, time.perf_counter() - t0)
+            if run:
+                best = min(best, time.perf_counter() - t0)
         points.append((n * q, n, n * key_reads(ctx, q), best))
     return LinearCost(points)
 

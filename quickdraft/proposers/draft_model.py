@@ -28,6 +28,11 @@ from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
 
+# Draft passes that read a long catch-up (a prompt) run at prefill speed per row, not at the
+# speed the plan prices draft tokens at: the cost model learns from the others only.
+MAX_OBSERVED_FEED = 8
+
+
 @register("draft_model")
 class DraftModelProposer:
     def __init__(self, draft: Decoder, num_slots: int, max_len: int, confidence_threshold: float = 0.0,
@@ -66,7 +71,7 @@ class DraftModelProposer:
             tokens, q = self._sample([seqs[i] for i in active], logits, sampled)
             confident = self._confident(logits, tokens)  # [len(active)] bool
             tokens = tokens.tolist()
-            if self.cost is not None:
+            if self.cost is not None and max(len(feed[i]) for i in active) <= MAX_OBSERVED_FEED:
                 self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
