@@ -29,6 +29,13 @@ def ngram_server(request, smollm2_path) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
+def adaptive_server(request, smollm2_path) -> ServerProcess:
+    """ngram up to K=4 with the default adaptive plan: which drafts are verified depends on timing."""
+    return _serve(request, "--max-num-seqs", "8", "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 4}', log_name="adaptive")
+
+
+@pytest.fixture(scope="session")
 def small_server(request, smollm2_path) -> ServerProcess:
     """One slot and a queue of one: for queue-full, disconnect and draining tests."""
     return _serve(request, "--max-num-seqs", "1", "--max-queue", "1", log_name="small")

@@ -1,5 +1,6 @@
 """A bounded load test on loopback: 32 requests over 8 concurrent streams, mixed greedy and sampled,
-chat and completions, streaming and not, against a plain and an ngram server.
+chat and completions, streaming and not, against a plain server, an ngram server with a fixed K
+and one with the default adaptive K.
 
 Every request completes; every greedy output equals what the offline ``LLM.generate`` gives for the
 same prompt, token for token (float32; batching and speculation change nothing but speed); the
@@ -110,7 +111,7 @@ def _counter(m: dict, name: str, **labels) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-@pytest.mark.parametrize("server_name", ["plain_server", "ngram_server"])
+@pytest.mark.parametrize("server_name", ["plain_server", "ngram_server", "adaptive_server"])
 def test_load(request, server_name, offline):
     server = request.getfixturevalue(server_name)
     before = server.metrics()
@@ -150,6 +151,6 @@ def test_load(request, server_name, offline):
         per_pos = sum(delta("quickdraft:spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
                       for j in range(4))
         assert per_pos == sum(s["num_accepted_tokens"] for s in specs)
-    else:
+    elif server_name == "plain_server":
         assert all(s["num_draft_tokens"] == 0 for s in specs)
     print(f"{server_name}: {NUM_REQUESTS} requests, {sum(u.completion_tokens for u in usages)} tokens in {elapsed:.1f}s")
