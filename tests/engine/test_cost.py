@@ -100,3 +100,26 @@ def test_the_plan_is_within_two_percent_of_the_best(seed):
     best = max(step_rate(ks, alphas, target, draft, contexts) for ks in itertools.product(range(k + 1), repeat=batch))
     plan = plan_draft_lengths(alphas, [k] * batch, target, draft, contexts=contexts)
     assert step_rate(plan, alphas, target, draft, contexts) >= 0.98 * best
+
+
+def test_calibration_runs_once_per_loaded_model(monkeypatch):
+    import torch
+
+    from quickdraft.engine.cost import calibrate
+    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.decoder import Decoder
+    from quickdraft.models.tiny import random_weights, tiny_config
+
+    config = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
+    weights = random_weights(config, seed=0)
+    kv = KVCache(config, 1, 300, torch.float32)
+    calls = []
+    forward = Decoder.forward
+    monkeypatch.setattr(Decoder, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    first = calibrate(Decoder(config, weights), kv)
+    timed = len(calls)
+    assert timed > 0
+    again = calibrate(Decoder(config, weights), kv)  # another engine over the same weights
+    assert len(calls) == timed and again.to_dict() == first.to_dict()
+    calibrate(Decoder(config, random_weights(config, seed=1)), kv)  # other weights: timed anew
+    assert len(calls) > timed
