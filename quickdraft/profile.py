@@ -15,6 +15,7 @@ from pathlib import Path
 
 BATCHES = (1, 2, 4, 8, 16)
 ALPHAS = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9)
+CONTEXT = 256  # tokens each sequence holds in the predictions
 
 
 def register(sub) -> None:
@@ -29,7 +30,7 @@ def register(sub) -> None:
     p.set_defaults(func=profile)
 
 
-def predict(target, draft, k: int, batches, alphas, context: int = 256) -> list[dict]:
+def predict(target, draft, k: int, batches, alphas, context: int = CONTEXT) -> list[dict]:
     """For each (batch, alpha): the planned K per sequence and the expected speedup over plain,
     for sequences ``context`` tokens long."""
     from quickdraft.engine.cost import plan_draft_lengths, step_rate
@@ -65,7 +66,7 @@ def profile(args) -> int:
     target, draft = engine.runner.target_cost, engine.proposer.cost
     rows = predict(target, draft, spec.num_speculative_tokens, batches, alphas)
     result = {"model": args.model, "method": spec.method, "draft": spec.model, "k": spec.num_speculative_tokens,
-              "context": 256, "target_cost": target.to_dict(), "draft_cost": draft.to_dict() if draft else None, "plan": rows}
+              "context": CONTEXT, "target_cost": target.to_dict(), "draft_cost": draft.to_dict() if draft else None, "plan": rows}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

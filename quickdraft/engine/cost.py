@@ -9,8 +9,8 @@ next, so the engine plans each step the way SmartSpec (Liu et al. 2024, "goodput
 
 * ``LinearCost``: seconds = a + b * rows + s * chains + c * keys read, for one pass of a model,
   fitted by least squares to a short calibration at start-up (9 s for a 1.5B on this CPU,
-  once per loaded model and process) and refitted to every pass the engine times afterwards, so the model follows the machine
-  (a shared machine's speed drifts).
+  once per loaded model and process) and refitted to the passes the engine times afterwards, so
+  the model follows the machine (a shared machine's speed drifts).
 * Each sequence's acceptance rate alpha is estimated from its own recent passes, shrunk towards
   the engine-wide rate while it has few; under the usual i.i.d. model a chain of k drafts yields
   1 + alpha + ... + alpha^k tokens on average (Leviathan et al. 2023, eq. 1).
@@ -58,7 +58,7 @@ class LinearCost:
             raise ValueError("a cost model needs at least one calibration point")
         self._anchors = [self._point(*p) for p in points]
         self._recent: collections.deque[tuple[float, ...]] = collections.deque(maxlen=RECENT)
-        self._fit()
+        self._coef: np.ndarray | None = None  # fitted when first read after a change
 
     @staticmethod
     def _point(*p) -> tuple[float, ...]:
@@ -66,30 +66,27 @@ class LinearCost:
         return (1.0, float(rows), float(chains), float(keys), float(seconds))
 
     @property
-    def a(self) -> float:
-        return self._coef[0]
+    def coef(self) -> np.ndarray:
+        """[a, b, s, c]. A draft model observes K passes a step and the plan reads the fit once,
+        so the least squares run on the first read after new observations, not on each."""
+        if self._coef is None:
+            self._coef = self._fit()
+        return self._coef
 
-    @property
-    def b(self) -> float:
-        return self._coef[1]
-
-    @property
-    def per_chain(self) -> float:
-        return self._coef[2]
-
-    @property
-    def per_key(self) -> float:
-        return self._coef[3]
+    a = property(lambda self: self.coef[0])
+    b = property(lambda self: self.coef[1])
+    per_chain = property(lambda self: self.coef[2])
+    per_key = property(lambda self: self.coef[3])
 
     def __call__(self, rows: int, chains: int = 1, keys: int = 0) -> float:
-        a, b, s, c = self._coef
+        a, b, s, c = self.coef
         return a + b * rows + s * chains + c * keys
 
     def observe(self, rows: int, seconds: float, chains: int = 1, keys: int = 0) -> None:
         self._recent.append(self._point(rows, chains, keys, seconds))
-        self._fit()
+        self._coef = None
 
-    def _fit(self) -> None:
+    def _fit(self) -> np.ndarray:
         pts = np.array(self._anchors + list(self._recent))
         w = np.sqrt(np.array([ANCHOR_WEIGHT] * len(self._anchors) + [1.0] * len(self._recent)))
         x, y = pts[:, :4], pts[:, 4]
@@ -98,8 +95,7 @@ class LinearCost:
         active = [0] + [j for j in range(1, 4) if np.ptp(x[:, j]) > 0]
         if active == [0]:  # one shape only: no slope to learn, so assume rows cost in proportion
             coef[1] = float(np.average(y, weights=w**2)) / max(x[0, 1], 1.0)
-            self._coef = coef
-            return
+            return coef
         while True:
             sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
             negative = [j for j, v in zip(active, sol) if v < 0 and j != 0]
@@ -107,10 +103,10 @@ class LinearCost:
                 break
             active = [j for j in active if j not in negative]
         coef[active] = np.maximum(sol, 0.0)
-        self._coef = coef
+        return coef
 
     def to_dict(self) -> dict:
-        a, b, s, c = self._coef
+        a, b, s, c = self.coef
         return {"a_s": float(a), "b_s_per_row": float(b), "s_per_chain": float(s), "s_per_1k_keys": float(c * 1000)}
 
 

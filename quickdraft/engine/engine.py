@@ -99,7 +99,7 @@ class Engine:
         if not spec.enabled or (spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size):
             return [0] * len(seqs)
         rooms = [min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) for s in seqs]
-        caps = [0 if len(s.pending_token_ids) != 1 else max(0, min(spec.num_speculative_tokens, room - 1))
+        caps = [0 if s.num_pending != 1 else max(0, min(spec.num_speculative_tokens, room - 1))
                 for s, room in zip(seqs, rooms)]
         if not spec.adaptive or not any(caps):
             return caps
@@ -115,7 +115,7 @@ class Engine:
         catchup = [self.proposer.catchup_rows(s) / max(1.0, room / expected_tokens(alpha, cap))
                    for s, room, alpha, cap in zip(seqs, rooms, alphas, caps)]
         return plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
-                                  [len(s.pending_token_ids) for s in seqs], [s.num_cached for s in seqs], catchup)
+                                  [s.num_pending for s in seqs], [s.num_cached for s in seqs], catchup)
 
     def _postprocess(self, r: StepResult) -> RequestOutput:
         seq = r.seq

@@ -42,8 +42,10 @@ class Runner:
         """num_draft [batch]: the most draft tokens each sequence may take this step."""
         proposal = self._propose(seqs, num_draft)
         started = time.perf_counter()
-        pending = [len(s.pending_token_ids) for s in seqs]
-        keys = sum(key_reads(s.num_cached, p + k) for s, p, k in zip(seqs, pending, proposal.num_tokens))
+        # a decoding pass (no prompt in it) is timed for the cost model; prompt passes cost otherwise
+        timed = self.target_cost is not None and all(s.num_pending == 1 for s in seqs)
+        if timed:
+            keys = sum(key_reads(s.num_cached, 1 + k) for s, k in zip(seqs, proposal.num_tokens))
         logits = self._score(seqs, proposal)  # [num_draft_tokens + batch, V]
         ok = self._finite_rows(logits, proposal.num_tokens)  # [batch] bool
         outcome = verify(
@@ -54,7 +56,7 @@ class Runner:
         )
         self.proposer.observe(seqs, outcome)
         results = self._commit(seqs, proposal, outcome, ok)
-        if self.target_cost is not None and max(pending) == 1:  # decoding passes only: prompt passes cost otherwise
+        if timed:
             self.target_cost.observe(len(seqs) + sum(proposal.num_tokens), time.perf_counter() - started,
                                      len(seqs), keys)
         return results
@@ -110,6 +112,6 @@ class Runner:
             if not good:
                 results.append(StepResult(s, [], k, 0, "the model produced non-finite logits (NaN or inf)"))
                 continue
-            s.num_cached += len(s.pending_token_ids) + accepted
+            s.num_cached += s.num_pending + accepted
             results.append(StepResult(s, list(tokens), k, accepted))
         return results

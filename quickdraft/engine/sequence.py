@@ -127,6 +127,11 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_pending(self) -> int:
+        """len(pending_token_ids), without building the list."""
+        return len(self) - self.num_cached
+
+    @property
     def pending_token_ids(self) -> list[int]:
         """Tokens the target has not seen yet: the prompt at first, then the last emitted token."""
         return self.token_ids[self.num_cached :]

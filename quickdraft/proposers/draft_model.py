@@ -65,13 +65,16 @@ class DraftModelProposer:
             active = [i for i in active if num_tokens[i] > step]
             if not active:
                 break
-            started, rows = time.perf_counter(), sum(len(feed[i]) for i in active)
-            keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
+            started = time.perf_counter()
+            timed = self.cost is not None and max(len(feed[i]) for i in active) <= MAX_OBSERVED_FEED
+            if timed:
+                rows = sum(len(feed[i]) for i in active)
+                keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
             logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), V]
             tokens, q = self._sample([seqs[i] for i in active], logits, sampled)
             confident = self._confident(logits, tokens)  # [len(active)] bool
             tokens = tokens.tolist()
-            if self.cost is not None and max(len(feed[i]) for i in active) <= MAX_OBSERVED_FEED:
+            if timed:
                 self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
