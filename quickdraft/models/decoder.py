@@ -30,8 +30,6 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.kernels import bf16_linear
 from quickdraft.models.quant import Int8Weight, int8_matmul, quantize_weights
-from quickdraft.models.kernels import bf16_linear
-from quickdraft.models.quant import Int8Weight, int8_matmul, quantize_weights
 
 ROW_MULTIPLE = 4
 MAX_ROW_BY_ROW = 32  # a chain of at most this many new tokens attends row by row (see _attention)
@@ -120,7 +118,8 @@ class Decoder:
     """The target (or draft) model. ``weights`` uses Hugging Face names (ModelConfig.weight_names)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], quantize: str | None = None):
-        """``quantize="int8"``: weight-only int8 projections (for a draft model; see quant.py)."""
+        """``quantize="int8"``: int8 projections, one scale per weight row, activations quantized
+        per row in the kernel (for a draft model; see quant.py)."""
         missing = [n for n in config.weight_names() if n not in weights]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,8 +1,8 @@
 """Hand-written CPU kernels, compiled on first use with torch's C++ extension loader and cached
-under ``$QUICKDRAFT_CACHE/extensions``: a bfloat16 linear for the decoder, and a weight-only int8
-linear (int8 weights, int8 activations) for draft models. Each has a plain torch fallback: where the CPU lacks the instructions,
-the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the getters return None and the caller uses
-``torch.nn.functional.linear``."""
+under ``$QUICKDRAFT_CACHE/extensions``: a bfloat16 linear for the decoder, and an int8 linear
+(int8 weights and activations, W8A8) for draft models. Each has a plain torch fallback: where the
+CPU lacks the instructions, the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the getters
+return None and the caller uses torch."""
 
 from __future__ import annotations
 
