@@ -136,3 +136,12 @@ def tiny_hf_dir(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """(directory, weights) of a random two-layer Qwen2 model in Hugging Face's format."""
     path = tmp_path / "tiny-qwen2"
     return path, write_tiny_hf_dir(path)
+
+
+@pytest.fixture
+def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch fallback, as on a CPU without AVX512-BF16 / VNNI or with ``QUICKDRAFT_KERNELS=0``."""
+    from quickdraft.models import kernels
+
+    monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_module", lambda: None)

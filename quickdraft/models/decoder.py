@@ -10,13 +10,13 @@ only the rows a verifier needs pay for the large output projection.
 
 Batch invariance (ARCHITECTURE.md point 11): a token's hidden state must not depend on what else
 is in the pass, or a verification pass would disagree with single-token decoding by rounding.
-Measured on this CPU with torch 2.13: float32 matmul computes rows in blocks of four, and the
-rows of a last partial block (1..3 rows) take another kernel, with results ~1e-6 apart; a bfloat16
-matmul of 1 row differs from >= 2 rows for some shapes (1536 -> 8960). With the row count padded
-to a multiple of ``ROW_MULTIPLE`` (zero rows appended and dropped) every row agrees bit for bit
-in both dtypes, 1..80 rows tested; at batch 1 this is nearly free in bfloat16, because decoding
-is bound by reading the weights, not by arithmetic. Attention is computed per sequence in float32,
-norms in float32, so no row ever meets another sequence's data.
+The projections take quickdraft's own CPU kernels (kernels/linear.cpp), invariant by construction
+in float32, bfloat16 and int8 on every CPU with AVX512-BF16 and VNNI. torch's matmul is not: on an
+AMD EPYC its float32 tail rows (1..3 past a multiple of four) take another kernel, and on an Intel
+Xeon with AMX every float32 row count from 13 up does; so the torch fallback pads rows to a
+multiple of ``ROW_MULTIPLE``, which helps on some CPUs, and ``batch_invariance`` says it promises
+nothing. Attention is computed per sequence, each chain row alone over exactly its own keys, so
+its calls have the same shapes in a verification pass as in plain decoding; norms are per row.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.kernels import bf16_linear
+from quickdraft.models.kernels import Invariance, dense_linear, invariance
 from quickdraft.models.quant import Int8Weight, int8_matmul, quantize_weights
 
 ROW_MULTIPLE = 4
@@ -73,16 +73,15 @@ def _bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ weight[out, in].T (+ bias) -> [n, out], batch invariant: bfloat16 on a CPU with
-    AVX512-BF16 takes our kernel (invariant by construction, and faster: see kernels/); anything
-    else takes torch's linear with the rows padded to a multiple of ROW_MULTIPLE. An Int8Weight
-    (draft models only, models/quant.py) takes the int8 kernel."""
+    """x [n, in] @ weight[out, in].T (+ bias) -> [n, out]: our batch-invariant CPU kernel for
+    float32 and bfloat16 where the CPU has it (kernels/), else torch's linear with the rows padded
+    to a multiple of ROW_MULTIPLE. An Int8Weight (draft models only, models/quant.py) takes the
+    int8 kernel."""
     if isinstance(weight, Int8Weight):
         return int8_matmul(x, weight, bias)
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[1] % 32 == 0 and weight.is_contiguous():
-        kernel = bf16_linear()
-        if kernel is not None:
-            return kernel(x, weight, bias)
+    kernel = dense_linear(x.dtype, x.device) if x.dtype == weight.dtype and weight.is_contiguous() else None
+    if kernel is not None:
+        return kernel(x, weight, bias)
     xp, n = _pad_rows(x)
     return F.linear(xp, weight, bias)[:n]
 
@@ -135,6 +134,12 @@ class Decoder:
         self.w = weights
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings, self.device)
         self.scale = config.head_dim**-0.5
+
+    @property
+    def batch_invariance(self) -> Invariance:
+        """What this model's projections promise on this machine (a draft's int8 path is invariant
+        too, but only the target's rounding can change the output)."""
+        return invariance(self.dtype, self.device)
 
     @property
     def num_layers(self) -> int:

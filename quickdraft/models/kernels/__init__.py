@@ -1,14 +1,21 @@
 """Hand-written CPU kernels, compiled on first use with torch's C++ extension loader and cached
-under ``$QUICKDRAFT_CACHE/extensions``: a bfloat16 linear for the decoder, and an int8 linear
-(int8 weights and activations, W8A8) for draft models. Each has a plain torch fallback: where the
-CPU lacks the instructions, the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the getters
-return None and the caller uses torch."""
+under ``$QUICKDRAFT_CACHE/extensions``: a bfloat16 and a float32 linear for the decoder, and an
+int8 linear (int8 weights and activations, W8A8) for draft models. Each has a plain torch fallback:
+where the CPU lacks the instructions, the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the
+getters return None and the caller uses torch.
+
+The kernels are batch invariant by construction (see linear.cpp); torch's matmul is not, and how
+it fails depends on the CPU and its BLAS (MKL picks another float32 kernel for 13 rows and up on
+an Intel Xeon with AMX, and for 1..3 tail rows on an AMD EPYC; cuBLAS picks by shape).
+``invariance(dtype, device)`` says which path a linear takes, and whether that path promises it.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +23,7 @@ import torch
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
+ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512_vnni")
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -34,6 +42,12 @@ def bf16_linear():
     return None if module is None else module.linear_bf16
 
 
+def f32_linear():
+    """The compiled ``linear_f32(x [M, K], w [N, K], bias [N] | None) -> [M, N]`` (float32), or None."""
+    module = _module()
+    return None if module is None else module.linear_f32
+
+
 def int8_linear():
     """The compiled ``linear_w8(x [M, K] bf16, w [N, K] int8, scale [N] f32, wsum [N] i32, bias) -> [M, N]``
     (x quantized to int8 per row inside), or None."""
@@ -41,9 +55,59 @@ def int8_linear():
     return None if module is None else module.linear_w8
 
 
+def dense_linear(dtype: torch.dtype, device: torch.device | str):
+    """The kernel for a ``dtype`` weight and activations on ``device``, or None (then torch's linear)."""
+    if torch.device(device).type != "cpu":
+        return None
+    if dtype == torch.bfloat16:
+        return bf16_linear()
+    if dtype == torch.float32:
+        return f32_linear()
+    return None
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """Whether a token's logits are promised not to depend on the rest of the pass (the other
+    draft tokens, other requests), which is what makes speculative output equal plain output bit
+    for bit rather than only to rounding."""
+
+    promised: bool
+    path: str  # the linear path the decoder takes: "f32-avx512", "bf16-avx512", "int8-vnni", "torch-cpu", "torch-cuda"
+    why: str  # one line for the user
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def invariance(dtype: torch.dtype, device: torch.device | str) -> Invariance:
+    """What the decoder's dense linear promises for ``dtype`` on ``device`` on this machine."""
+    device = torch.device(device)
+    name = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+    if device.type != "cpu":
+        return Invariance(False, f"torch-{device.type}",
+                          f"{device.type}: the vendor BLAS picks its kernel by the number of rows, so a row can round "
+                          "differently in a verification pass than alone; greedy output equals plain decoding "
+                          "except where the top two logits are within rounding")
+    if dense_linear(dtype, device) is not None:
+        return Invariance(True, f"{name}-avx512",
+                          "quickdraft's own kernel: one instruction sequence per output, whatever the rows")
+    return Invariance(False, "torch-cpu", f"torch's matmul, whose rounding may depend on the row count: {_why_no_kernel(dtype)}")
+
+
+def _why_no_kernel(dtype: torch.dtype) -> str:
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"no kernel for {dtype}"
+    if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0":
+        return "QUICKDRAFT_KERNELS=0"
+    if not _cpu_has(*ISA):
+        return f"this CPU lacks one of {', '.join(ISA)}"
+    return "the kernels did not build (see the warning above)"
+
+
 @functools.cache
 def _module():
-    if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0" or not _cpu_has("avx512f", "avx512_bf16", "avx512bw", "avx512_vnni"):
+    if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0" or not _cpu_has(*ISA):
         return None
     from torch.utils import cpp_extension
 
@@ -51,7 +115,7 @@ def _module():
     build.mkdir(parents=True, exist_ok=True)
     try:
         module = cpp_extension.load(
-            name="quickdraft_bf16_gemm", sources=[str(HERE / "bf16_gemm.cpp")], build_directory=str(build),
+            name="quickdraft_linear", sources=[str(HERE / "linear.cpp")], build_directory=str(build),
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )

@@ -1,11 +1,13 @@
-// y = x @ w.T (+ b) for a few rows of bfloat16 x against a bfloat16 weight [N, K], on CPUs with
-// AVX512-BF16. Written by hand because decoding is one such product per weight matrix per step,
-// and torch's oneDNN path reaches only ~15-20 GB/s of this machine's ~32 GB/s for it: this kernel
-// streams each weight row once, with every row of x applied to it while it is in registers.
+// y = x @ w.T (+ b) for a few rows of x against a weight [N, K], on CPUs with AVX512 (BF16, VNNI):
+// bfloat16, float32, and int8 weights with int8 rows (W8A8, draft models). Written by hand because
+// decoding is one such product per weight matrix per step, and torch's oneDNN path reaches only
+// ~15-20 GB/s of this machine's ~32 GB/s for it: these kernels stream each weight row once, with
+// every row of x applied to it while it is in cache.
 //
-// Batch invariance by construction: the output (m, n) is always the same sequence of
-// vdpbf16ps instructions over k followed by the same horizontal sum, whatever M is, so a row's
-// result never depends on the other rows in the call.
+// Batch invariance by construction (ARCHITECTURE.md point 11): the output (m, n) is always the
+// same sequence of instructions over k (the last step masked, never a scalar tail) followed by the
+// same horizontal sum, whatever M is and wherever row m sits in the call, so a row's result never
+// depends on the other rows. The 4-row blocks only share loads of w; they never share sums.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <cstring>
@@ -26,11 +28,13 @@ inline void block(const uint16_t* X, const uint16_t* W, const float* B, uint16_t
   __m512 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  // the last step loads K % 32 values and zeros (a mask, not a copy): any K, one code path
   for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 m = K - k >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (K - k)) - 1);
     __m512bh xv[MB];
-    for (int j = 0; j < MB; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(X + (m0 + j) * K + k);
+    for (int j = 0; j < MB; ++j) xv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, X + (m0 + j) * K + k);
     for (int i = 0; i < NB; ++i) {
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(W + (n0 + i) * K + k);
+      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, W + (n0 + i) * K + k);
       for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[j], wv);
     }
   }
@@ -65,11 +69,13 @@ inline void block_w8(const uint8_t* X, const int8_t* W, const float* XS, const f
   __m512i acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_si512();
+  // masked-off lanes load a zero weight, so they add nothing whatever x holds there
   for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 m = K - k >= 64 ? ~__mmask64(0) : static_cast<__mmask64>((1ull << (K - k)) - 1);
     __m512i xv[MB];
-    for (int j = 0; j < MB; ++j) xv[j] = _mm512_loadu_si512(X + (m0 + j) * K + k);
+    for (int j = 0; j < MB; ++j) xv[j] = _mm512_maskz_loadu_epi8(m, X + (m0 + j) * K + k);
     for (int i = 0; i < NB; ++i) {
-      __m512i wv = _mm512_loadu_si512(W + (n0 + i) * K + k);
+      __m512i wv = _mm512_maskz_loadu_epi8(m, W + (n0 + i) * K + k);
       for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv[j], wv);
     }
   }
@@ -90,6 +96,44 @@ inline void rows_w8(const uint8_t* X, const int8_t* W, const float* XS, const fl
     case 3: block_w8<3, NB>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0); break;
     case 2: block_w8<2, NB>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0); break;
     case 1: block_w8<1, NB>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0); break;
+    default: break;
+  }
+}
+
+// float32 x [M, K] times float32 w [N, K], for float32 models (the exact-comparison dtype of the
+// losslessness tests). torch's float32 matmul is not batch invariant and how it fails depends on
+// the CPU: MKL picks another kernel for rows 13 and up on an Intel Xeon with AMX, and for 1..3
+// tail rows on an AMD EPYC. Here every output (m, n) is the same chain of 16-lane FMAs over k
+// (the last one masked when K % 16 != 0), then the same horizontal sum, whatever M is and wherever the row
+// sits in the call: invariant by construction, on every CPU with AVX512F.
+template <int MB, int NB>
+inline void block_f32(const float* X, const float* W, const float* B, float* Y, int64_t K, int64_t N, int64_t m0,
+                      int64_t n0) {
+  __m512 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 xv[MB];
+    for (int j = 0; j < MB; ++j) xv[j] = _mm512_maskz_loadu_ps(m, X + (m0 + j) * K + k);
+    for (int i = 0; i < NB; ++i) {
+      __m512 wv = _mm512_maskz_loadu_ps(m, W + (n0 + i) * K + k);
+      for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(xv[j], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) Y[(m0 + j) * N + n0 + i] = _mm512_reduce_add_ps(acc[i][j]) + (B ? B[n0 + i] : 0.0f);
+}
+
+template <int NB>
+inline void rows_f32(const float* X, const float* W, const float* B, float* Y, int64_t M, int64_t K, int64_t N,
+                     int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4) block_f32<4, NB>(X, W, B, Y, K, N, m0, n0);
+  switch (M - m0) {
+    case 3: block_f32<3, NB>(X, W, B, Y, K, N, m0, n0); break;
+    case 2: block_f32<2, NB>(X, W, B, Y, K, N, m0, n0); break;
+    case 1: block_f32<1, NB>(X, W, B, Y, K, N, m0, n0); break;
     default: break;
   }
 }
@@ -120,7 +164,6 @@ void quantize_rows(const uint16_t* X, int64_t M, int64_t K, uint8_t* Q, float* S
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bfloat16 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K]");
-  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
   x = x.contiguous();
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -138,12 +181,31 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return y;
 }
 
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K]");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor b32;
+  if (bias.has_value()) b32 = bias->to(torch::kFloat32).contiguous();
+  const float* B = bias.has_value() ? b32.data_ptr<float>() : nullptr;
+  const float* X = x.data_ptr<float>();
+  const float* W = w.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t full = N / 4 * 4;
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < full; n0 += 4) rows_f32<4>(X, W, B, Y, M, K, N, n0);
+  for (int64_t n0 = full; n0 < N; ++n0) rows_f32<1>(X, W, B, Y, M, K, N, n0);
+  return y;
+}
+
 torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor wsum,
                         c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kInt8 && scale.dtype() == torch::kFloat32 &&
                   wsum.dtype() == torch::kInt32, "x bfloat16, w int8, scale float32, wsum int32");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K]");
-  TORCH_CHECK(x.size(1) % 64 == 0, "K must be a multiple of 64");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && wsum.is_contiguous(), "contiguous weights");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -169,5 +231,6 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ w.T + b in bfloat16");
+  m.def("linear_f32", &linear_f32, "x @ w.T + b in float32, batch invariant");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
 }
