@@ -168,7 +168,9 @@ class _Api:
         return JSONResponse({"status": "ok", **snap})
 
     async def version(self) -> dict:
-        return {"version": __version__}
+        """The version, and whether speculative output equals plain output bit for bit here (see
+        models/kernels: true on quickdraft's CPU kernels, false on cuBLAS or the torch fallback)."""
+        return {"version": __version__, "batch_invariance": self.engine.engine.decoder.batch_invariance.to_dict()}
 
     async def metrics_route(self) -> Response:
         return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 from qd_server import MAX_MODEL_LEN, MODEL
+
+from quickdraft.models.kernels import invariance
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +79,10 @@ def test_good_request_after_bad_ones(plain_server):
 
 def test_health_version_metrics_open(plain_server):
     assert httpx.get(plain_server.url + "/health").json()["status"] == "ok"
-    assert httpx.get(plain_server.url + "/version").json()["version"]
+    version = httpx.get(plain_server.url + "/version").json()
+    assert version["version"] and version["batch_invariance"]["path"]
+    # the test server runs float32
+    assert version["batch_invariance"] == invariance(torch.float32, "cpu").to_dict()
     m = plain_server.metrics()  # parsed with prometheus_client.parser
     for name in ("quickdraft:spec_decode_num_drafts_total", "quickdraft:spec_decode_num_draft_tokens_total",
                  "quickdraft:spec_decode_num_accepted_tokens_total", "quickdraft:prompt_tokens_total",
