@@ -23,7 +23,7 @@ import torch
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
-ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512_vnni")
+ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -53,6 +53,12 @@ def int8_linear():
     (x quantized to int8 per row inside), or None."""
     module = _module()
     return None if module is None else module.linear_w8
+
+
+def block_linear():
+    """The compiled GGUF block-format linears (``linear_u4``, ``linear_i8``: see blocks.cpp), as
+    the module that holds them, or None."""
+    return _module()
 
 
 def dense_linear(dtype: torch.dtype, device: torch.device | str):
@@ -115,8 +121,8 @@ def _module():
     build.mkdir(parents=True, exist_ok=True)
     try:
         module = cpp_extension.load(
-            name="quickdraft_linear", sources=[str(HERE / "linear.cpp")], build_directory=str(build),
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
+            name="quickdraft_linear", sources=[str(HERE / "linear.cpp"), str(HERE / "blocks.cpp")], build_directory=str(build),
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, ...: correct but slower

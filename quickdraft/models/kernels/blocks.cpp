@@ -1,0 +1,231 @@
+// y = x @ w.T (+ b) with w in a GGUF block format, repacked at load (models/ggml.py) into one of
+// two layouts, and x quantized to int8 in blocks of 32 (one scale per block, as ggml's Q8_0):
+//
+//   u4: 4-bit unsigned values, two per byte, one float scale and one float min per 32 weights:
+//       w = scale * q - min. Holds Q4_0, Q4_1 and Q4_K exactly (the K-quant's 6-bit sub-block
+//       scales are multiplied out at load, as ggml's own dequantization does).
+//       Each 64-weight chunk is 32 bytes: byte j = w[j] | w[j + 32] << 4.
+//   i8: int8 values, one float scale per 16 weights: w = scale * q. Holds Q8_0, Q6_K and Q5_0.
+//
+// Written by hand because decoding reads every weight once per step: each weight tile is
+// unpacked once (nibbles split, scales broadcast) and used for every row of the pass, so 8 rows
+// cost little more than one (llama.cpp and torch's int4 path unpack again every row or 4 rows).
+//
+// Batch invariant by construction: a 32-block's integer dot product is exact (vpdpbusd), and the
+// blocks are combined into 16 float lanes in k order, then summed the same way, for every row
+// count: the result of (m, n) never depends on the other rows.
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+// x [M, K] (float32 or bfloat16) -> int8 q [M, K], scales [M, K/32], and per block the float
+// xs * sum(q) (for the u4 layout's min term).
+void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* S, float* QS) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const float* X = xf.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = X + m * K + b * 32;
+      float amax = 0.0f;
+      for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
+      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+      int32_t sum = 0;
+      for (int t = 0; t < 32; ++t) {
+        const int q = static_cast<int>(std::nearbyint(xb[t] / s));
+        Q[m * K + b * 32 + t] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      S[m * nb + b] = s;
+      QS[m * nb + b] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+// two floats, each over 8 lanes: the scales of the two 32-blocks of a 64-weight chunk
+inline __m512 halves(const float* s) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s[0])), _mm256_set1_ps(s[1]), 1);
+}
+
+// four floats, each over 4 lanes: the scales of the four 16-blocks of a 64-weight chunk
+inline __m512 quarters(const float* s) {
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(s)));
+}
+
+struct Out {  // y [M, N], float32 or bfloat16 (x's dtype)
+  void* data;
+  bool f32;
+  void store(int64_t idx, float v) const {
+    if (f32) {
+      static_cast<float*>(data)[idx] = v;
+    } else {
+      static_cast<at::BFloat16*>(data)[idx] = at::BFloat16(v);
+    }
+  }
+};
+
+struct Rows {
+  const int8_t* q;  // [M, K]
+  const float* s;   // [M, K/32]
+  const float* qs;  // [M, K/32]
+  int64_t K;
+};
+
+template <int MB, int NB>
+inline void block_u4(const Rows& x, const uint8_t* W, const float* WS, const float* WM, const float* B,
+                     const Out& y, int64_t N, int64_t m0, int64_t n0) {
+  const int64_t K = x.K, nb = K / 32;
+  __m512 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int64_t c = 0; c < K / 64; ++c) {
+    __m512i xv[MB];
+    __m512 xs[MB];
+    for (int j = 0; j < MB; ++j) {
+      xv[j] = _mm512_loadu_si512(x.q + (m0 + j) * K + c * 64);
+      xs[j] = halves(x.s + (m0 + j) * nb + c * 2);
+    }
+    for (int i = 0; i < NB; ++i) {
+      const int64_t n = n0 + i;
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + n * (K / 2) + c * 32));
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
+                                           _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
+      const __m512 ws = halves(WS + n * nb + c * 2);
+      for (int j = 0; j < MB; ++j) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[j]), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < NB; ++i) {
+    const int64_t n = n0 + i;
+    for (int j = 0; j < MB; ++j) {
+      // the min term, sum over blocks of min * xs * sum(q), in the same 16-lane order
+      __m512 mins = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; b += 16) {
+        const __mmask16 k = nb - b >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (nb - b)) - 1);
+        mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, WM + n * nb + b),
+                               _mm512_maskz_loadu_ps(k, x.qs + (m0 + j) * nb + b), mins);
+      }
+      y.store((m0 + j) * N + n, _mm512_reduce_add_ps(acc[i][j]) - _mm512_reduce_add_ps(mins) + (B ? B[n] : 0.0f));
+    }
+  }
+}
+
+template <int MB, int NB>
+inline void block_i8(const Rows& x, const int8_t* W, const float* WS, const float* B, const Out& y,
+                     int64_t N, int64_t m0, int64_t n0) {
+  const int64_t K = x.K, nb = K / 32;
+  __m512 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128, and each lane starts from
+  // -128 * (the sum of its four weights), computed once per weight tile
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < K / 64; ++c) {
+    __m512i xv[MB];
+    __m512 xs[MB];
+    for (int j = 0; j < MB; ++j) {
+      xv[j] = _mm512_xor_si512(_mm512_loadu_si512(x.q + (m0 + j) * K + c * 64), flip);
+      xs[j] = halves(x.s + (m0 + j) * nb + c * 2);
+    }
+    for (int i = 0; i < NB; ++i) {
+      const int64_t n = n0 + i;
+      const __m512i w = _mm512_loadu_si512(W + n * K + c * 64);
+      const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
+      const __m512 ws = quarters(WS + n * (K / 16) + c * 4);
+      for (int j = 0; j < MB; ++j) {
+        const __m512i d = _mm512_dpbusd_epi32(start, xv[j], w);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[j]), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j)
+      y.store((m0 + j) * N + n0 + i, _mm512_reduce_add_ps(acc[i][j]) + (B ? B[n0 + i] : 0.0f));
+}
+
+template <typename Tile>
+void over_tiles(int64_t M, int64_t N, Tile tile) {
+  const int64_t full = N / 4 * 4;
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < full; n0 += 4) tile(std::integral_constant<int, 4>(), M, n0);
+  for (int64_t n0 = full; n0 < N; ++n0) tile(std::integral_constant<int, 1>(), M, n0);
+}
+
+template <int NB, typename Block>
+void over_rows(int64_t M, Block block) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4) block(std::integral_constant<int, 4>(), m0);
+  switch (M - m0) {
+    case 3: block(std::integral_constant<int, 3>(), m0); break;
+    case 2: block(std::integral_constant<int, 2>(), m0); break;
+    case 1: block(std::integral_constant<int, 1>(), m0); break;
+    default: break;
+  }
+}
+
+void prepare(const torch::Tensor& x, int64_t K, torch::Tensor& q, torch::Tensor& s, torch::Tensor& qs) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 64 == 0, "x [M, K] with K a multiple of 64");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
+  const int64_t M = x.size(0);
+  q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  s = torch::empty({M, K / 32}, x.options().dtype(torch::kFloat32));
+  qs = torch::empty({M, K / 32}, x.options().dtype(torch::kFloat32));
+  quantize_blocks(x, q.data_ptr<int8_t>(), s.data_ptr<float>(), qs.data_ptr<float>());
+}
+
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, torch::Tensor& b32) {
+  if (!bias.has_value()) return nullptr;
+  b32 = bias->to(torch::kFloat32).contiguous();
+  return b32.data_ptr<float>();
+}
+
+}  // namespace
+
+torch::Tensor linear_u4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor min,
+                        c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && scale.scalar_type() == torch::kFloat32 &&
+                  min.scalar_type() == torch::kFloat32, "w uint8, scale and min float32");
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && min.is_contiguous(), "contiguous weights");
+  const int64_t N = w.size(0), K = w.size(1) * 2;
+  torch::Tensor q, s, qs, b32;
+  prepare(x, K, q, s, qs);
+  auto out = torch::empty({x.size(0), N}, x.options());
+  const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
+  const Rows rows{q.data_ptr<int8_t>(), s.data_ptr<float>(), qs.data_ptr<float>(), K};
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const float* WS = scale.data_ptr<float>();
+  const float* WM = min.data_ptr<float>();
+  const float* B = bias_ptr(bias, b32);
+  over_tiles(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
+    constexpr int NB = decltype(nb)::value;
+    over_rows<NB>(M, [&](auto mb, int64_t m0) { block_u4<decltype(mb)::value, NB>(rows, W, WS, WM, B, y, N, m0, n0); });
+  });
+  return out;
+}
+
+torch::Tensor linear_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.scalar_type() == torch::kInt8 && scale.scalar_type() == torch::kFloat32, "w int8, scale float32");
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "contiguous weights");
+  const int64_t N = w.size(0), K = w.size(1);
+  torch::Tensor q, s, qs, b32;
+  prepare(x, K, q, s, qs);
+  auto out = torch::empty({x.size(0), N}, x.options());
+  const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
+  const Rows rows{q.data_ptr<int8_t>(), s.data_ptr<float>(), qs.data_ptr<float>(), K};
+  const int8_t* W = w.data_ptr<int8_t>();
+  const float* WS = scale.data_ptr<float>();
+  const float* B = bias_ptr(bias, b32);
+  over_tiles(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
+    constexpr int NB = decltype(nb)::value;
+    over_rows<NB>(M, [&](auto mb, int64_t m0) { block_i8<decltype(mb)::value, NB>(rows, W, WS, B, y, N, m0, n0); });
+  });
+  return out;
+}
