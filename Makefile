@@ -38,8 +38,30 @@ demo: $(VENV)/.qwen
 
 # The standard suite measures the peers too: install them (llama-cpp-python builds from source,
 # about 5 minutes) unless they are there. bench-quick skips a missing peer with a note.
+#
+# llama.cpp is built for an explicit instruction set, not for this CPU. ggml's default is
+# GGML_NATIVE=ON (-march=native), which on an Intel Xeon with AMX (Sapphire Rapids and later)
+# defines __AMX_INT8__ and so compiles and uses ggml's AMX path: the weights are repacked into an
+# "AMX buffer" and the first matmul segfaults in ggml_backend_amx_mul_mat (ggml-org/llama.cpp
+# #20824; ollama/ollama #17205, #17006, #17249; the AMX tile config is miscompiled by GCC 11,
+# ollama/ollama PR #17244, and worker threads lack the XTILEDATA permission on newer kernels,
+# ggml-org/llama.cpp PR #26954, open). That is the exit 139 of issue 8 with Qwen2.5-Coder Q4_K_M.
+# Everyone who worked around it turned AMX off (ollama PR #9203 dropped its sapphirerapids
+# backend; stanfordnlp/dspy PR #10079). So: no -march=native, AMX off, and the AVX2 + AVX-512
+# (VNNI, BF16, VBMI) set that both CPUs of this project's machines have (Xeon with AMX, and the
+# EPYC: see /proc/cpuinfo), so llama.cpp keeps its fast Q4_K kernels on both. A CPU without
+# AVX-512 would need -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+# -DGGML_AVX512_BF16=OFF. --no-cache-dir: pip's wheel cache would hand back an earlier -march=native
+# build of the same version. An installed build with AMX_INT8 = 1 (ggml's system info, which the
+# bench also records in results.json) is removed first, so this rebuilds it.
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 bench: $(VENV)/.qwen
-	$(PY) -c "import llama_cpp, transformers" 2>/dev/null || $(PIP) install -c constraints.txt -e '.[peers]'
+	$(PY) -c "import sys, llama_cpp; sys.exit(b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())" 2>/dev/null \
+		|| $(PIP) uninstall -y llama-cpp-python 2>/dev/null || true
+	$(PY) -c "import llama_cpp, transformers" 2>/dev/null \
+		|| CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir -c constraints.txt -e '.[peers]'
 	$(PY) -m quickdraft.cli bench --suite standard --out bench-out/standard
 
 bench-quick: $(VENV)/.qwen

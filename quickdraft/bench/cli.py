@@ -27,6 +27,7 @@ DEFAULTS = {
     "categories": None, "max_tokens": 128, "temperature": 0.0, "seed": 0, "num_seeds": None, "repeats": 1,
     "methods": "none,ngram", "num_speculative_tokens": "4", "prompt_lookup_max": "4", "prompt_lookup_min": "2",
     "adaptive": "true", "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
+    "peer_timeout": 1800,
 }
 SUITES = {
     # about 5 minutes here: 2 HumanEval prompts and 2 MT-Bench questions (4 turns), 64 tokens
@@ -46,7 +47,7 @@ FLAGS = {  # setting -> its flag, in the order the reproducing command lists the
     "num_speculative_tokens": "--num-speculative-tokens", "prompt_lookup_max": "--prompt-lookup-max",
     "prompt_lookup_min": "--prompt-lookup-min", "adaptive": "--adaptive", "peers": "--peers",
     "peer_num_speculative_tokens": "--peer-num-speculative-tokens", "warmup_tokens": "--warmup-tokens",
-    "max_model_len": "--max-model-len",
+    "max_model_len": "--max-model-len", "peer_timeout": "--peer-timeout",
 }
 
 
@@ -76,6 +77,8 @@ def register(subparsers) -> None:
                                       "or true,false (both)")
     p.add_argument("--peers", help="comma-separated: transformers, llama_cpp, or none")
     p.add_argument("--peer-num-speculative-tokens", type=int, help="K of the peers' speculative methods")
+    p.add_argument("--peer-timeout", type=float,
+                   help="seconds each peer may run in its own process before it is killed and noted (default 1800)")
     p.add_argument("--warmup-tokens", type=int)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--out", help="write results.json, report.md and PNG plots into this folder")
@@ -173,6 +176,8 @@ def build_config(settings: dict, args):
     bad = [p for p in peers if p not in PEERS]
     if bad:
         raise ConfigError(f"unknown peer(s) {bad}; valid: {', '.join(PEERS)}, none", "peers")
+    if float(settings["peer_timeout"]) <= 0:
+        raise ConfigError(f"--peer-timeout must be > 0 seconds, got {settings['peer_timeout']}", "peer_timeout")
     data = _names(settings["datasets"])
     bad = [d for d in data if d not in BUILTIN and not d.endswith(".jsonl") and not os.path.isfile(d)]
     if bad:
@@ -185,7 +190,7 @@ def build_config(settings: dict, args):
         temperature=settings["temperature"], seed=settings["seed"], num_seeds=settings["num_seeds"] or 1,
         repeats=settings["repeats"], warmup_tokens=settings["warmup_tokens"], ignore_eos=args.ignore_eos,
         dtype=args.dtype, device=args.device, max_model_len=settings["max_model_len"], peers=peers,
-        peer_k=settings["peer_num_speculative_tokens"],
+        peer_k=settings["peer_num_speculative_tokens"], peer_timeout=float(settings["peer_timeout"]),
     )
 
 

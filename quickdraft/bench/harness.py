@@ -107,6 +107,7 @@ class BenchConfig:
     permutations: int = 200  # TV permutation test
     peers: list[str] = field(default_factory=list)
     peer_k: int = 4
+    peer_timeout: float = 1800.0  # seconds each peer's child process may run (load, warm-up, every request)
 
     @property
     def greedy(self) -> bool:

@@ -15,12 +15,27 @@ quickdraft engines are freed first), each request once per peer method after a w
 follows quickdraft's: tokens/s counts the tokens after the first over the time from the first
 token to the last; the first token's time comes from a streamer (transformers) or the first
 token the generator yields (llama.cpp).
+
+Each peer runs in a child process (``python -m quickdraft.bench.peers``) under a time limit
+(``--peer-timeout``): a peer that crashes (llama.cpp's AMX kernels segfault on some Intel Xeons),
+hangs, raises or is missing becomes a note and a ``peers.status`` entry, and the rest of the run
+is kept. The child streams one JSON line per finished request to the parent, so a peer that dies
+mid-run keeps the requests it finished (every one of its methods ran them).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,6 +45,12 @@ from quickdraft.bench.summary import ALL, groups
 
 PEERS = ("transformers", "llama_cpp")
 COUNTERPART = {"plain": "none", "assisted": "draft_model", "prompt_lookup": "ngram"}
+# peer -> "module:function" that builds its methods in the child (tests add fakes here)
+FACTORIES = {"transformers": "quickdraft.bench.peers:transformers_peer",
+             "llama_cpp": "quickdraft.bench.peers:llama_cpp_peer"}
+MODULES = {"transformers": "transformers", "llama_cpp": "llama_cpp"}  # a peer is installed when its module is
+INSTALL = {"transformers": "transformers accelerate", "llama_cpp": "llama-cpp-python"}
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 @dataclass
@@ -43,6 +64,10 @@ class PeerMethod:
     def name(self) -> str:
         k = self.settings.get("k")
         return f"{self.peer} {self.method}" + (f" K={k}" if k else "")
+
+    def info(self) -> dict:
+        return {"name": self.name, "peer": self.peer, "method": self.method, "settings": self.settings,
+                "counterpart_method": COUNTERPART[self.method]}
 
 
 def _timing(ids_out: list[int], start: float, first: float | None, end: float) -> dict:
@@ -127,6 +152,18 @@ def transformers_methods(target: str, draft: str | None, dtype, k: int, lookup_m
     return methods
 
 
+def transformers_peer(spec: dict) -> tuple[list[PeerMethod], dict]:
+    """The child's factory: transformers' methods and what ran them."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(spec["threads"])
+    methods = transformers_methods(spec["target"], spec["draft"], getattr(torch, spec["dtype"]), spec["k"],
+                                   spec["lookup_max"], spec["max_tokens"], set(spec["eos"]), spec["ignore_eos"])
+    return methods, {"version": transformers.__version__, "torch": torch.__version__,
+                     "torch_threads": torch.get_num_threads()}
+
+
 # -- llama.cpp ----------------------------------------------------------------------------------
 
 def llama_cpp_methods(target: str, k: int, lookup_max: int, max_tokens: int, eos: set[int], threads: int,
@@ -165,65 +202,269 @@ def llama_cpp_methods(target: str, k: int, lookup_max: int, max_tokens: int, eos
                        runner(load(draft_model=lookup)))]
 
 
-# -- the run ------------------------------------------------------------------------------------
+def llama_cpp_system() -> dict:
+    """Which llama.cpp ran: the package version and ggml's system info (the CPU features it was
+    built with, e.g. ``AVX512 = 1 | AMX_INT8 = 0``), parsed into ``features`` too."""
+    import llama_cpp
+
+    info: dict = {"version": getattr(llama_cpp, "__version__", None)}
+    try:
+        raw = llama_cpp.llama_print_system_info()
+        text = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).strip()
+    except Exception as e:  # an older binding without it
+        text = f"unavailable: {type(e).__name__}: {e}"
+    info["system_info"] = text
+    features = {}
+    for part in text.replace("\n", "|").split("|"):
+        if "=" in part:
+            key, _, value = part.rpartition("=")
+            key = key.split(":")[-1].strip()
+            if key and value.strip().isdigit():
+                features[key] = int(value.strip())
+    info["features"] = features
+    return info
+
+
+def llama_cpp_peer(spec: dict) -> tuple[list[PeerMethod], dict]:
+    """The child's factory: llama.cpp's methods and which build ran them."""
+    system = llama_cpp_system()  # first: a crash while loading still leaves it on stderr
+    print(f"llama.cpp {system['version']}: {system['system_info']}", file=sys.stderr, flush=True)
+    return llama_cpp_methods(spec["target"], spec["k"], spec["lookup_max"], spec["max_tokens"], set(spec["eos"]),
+                             spec["threads"], spec["n_ctx"]), system
+
+
+# -- the child ----------------------------------------------------------------------------------
+
+def _resolve(ref: str) -> Callable:
+    module, _, name = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def child_main(spec: dict, send: Callable[[dict], None]) -> None:
+    """In the child: build the peer's methods, warm each up, then run every request with every
+    method (rotated per request, as quickdraft's variants are) and send one line per request."""
+    methods, system = _resolve(spec["factory"])(spec)
+    send({"event": "methods", "methods": [m.info() for m in methods], "system": system})
+    requests = spec["requests"]
+    if not methods or not requests:
+        return
+    for m in methods:  # warm-up, as for quickdraft's engines
+        m.generate(requests[0]["prompt_token_ids"][:64])
+    send({"event": "warm"})
+    for i, req in enumerate(requests):
+        rot = i % len(methods)
+        runs = []
+        for m in methods[rot:] + methods[:rot]:
+            runs.append({"request": req["id"], "peer": m.peer, "method": m.method, "name": m.name,
+                         **m.generate(req["prompt_token_ids"])})
+            send({"event": "progress", "name": m.name})
+        send({"event": "request", "request": req["id"], "runs": runs})
+
+
+def _child() -> int:
+    """``python -m quickdraft.bench.peers``: the spec as JSON on stdin, JSON lines on stdout."""
+    import faulthandler
+
+    faulthandler.enable()  # a segfault leaves the Python stack on stderr
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed (by C code too) goes to stderr, not into the protocol
+    sys.stdout = sys.stderr
+    spec = json.loads(sys.stdin.read())
+    for p in reversed(spec.get("sys_path", [])):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+    def send(msg: dict) -> None:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    try:
+        child_main(spec, send)
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent, then a non-zero exit
+        send({"event": "error", "error": f"{type(e).__name__}: {e}"})
+        raise
+    send({"event": "done"})
+    return 0
+
+
+# -- the parent ---------------------------------------------------------------------------------
 
 def _installed(peer: str) -> bool:
-    module = {"transformers": "transformers", "llama_cpp": "llama_cpp"}[peer]
-    return importlib.util.find_spec(module) is not None
+    module = MODULES.get(peer)
+    return module is None or importlib.util.find_spec(module) is not None
 
 
-def build(config, target: str, draft: str | None, eos: set[int], notes: list[str]) -> list[PeerMethod]:
-    import torch
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code).name
+    except ValueError:
+        return f"signal {code}"
 
-    from quickdraft.config import EngineConfig
 
-    dtype = EngineConfig(model=config.model, dtype=config.dtype).torch_dtype
-    lookup_max = next((v.lookup_max for v in config.variants if v.method == "ngram"), 4)
-    eos = set() if config.ignore_eos else eos
-    methods: list[PeerMethod] = []
-    for peer in config.peers:
-        if not _installed(peer):
-            extra = "transformers accelerate" if peer == "transformers" else "llama-cpp-python"
-            notes.append(f"peer {peer} skipped: not installed (pip install 'quickdraft[peers]', or {extra})")
-            continue
+def run_child(peer: str, spec: dict, timeout: float, on_event: Callable[[dict], None] | None = None) -> dict:
+    """Run one peer in ``python -m quickdraft.bench.peers`` under ``timeout`` seconds. Returns its
+    status: ok | error | crashed | timed_out, the exit code (negative: the signal), the requests
+    it finished (``runs``), its methods and system info, and the tail of its stderr."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "quickdraft.bench.peers"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    tail: deque[str] = deque(maxlen=40)
+
+    def pump_out():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    def pump_err():
+        for line in proc.stderr:
+            tail.append(line.rstrip("\n"))
+
+    readers = [threading.Thread(target=pump_out, daemon=True), threading.Thread(target=pump_err, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    status = {"peer": peer, "status": "ok", "exit_code": None, "signal": None, "error": None,
+              "methods": [], "system": {}, "runs": [], "requests_finished": 0,
+              "requests_total": len(spec["requests"]), "timeout_s": timeout}
+    timed_out, done = False, False
+    while True:
+        left = timeout - (time.perf_counter() - started)
+        if left <= 0:
+            timed_out = True
+            break
         try:
-            if peer == "transformers":
-                methods += transformers_methods(target, draft, dtype, config.peer_k, lookup_max, config.max_tokens,
-                                                eos, config.ignore_eos)
-            else:
-                methods += llama_cpp_methods(target, config.peer_k, lookup_max, config.max_tokens, eos,
-                                             torch.get_num_threads(), config.max_model_len)
-        except Exception as e:  # a peer's own failure (format, version) must not lose quickdraft's figures
-            notes.append(f"peer {peer} skipped: it could not load {target}: {type(e).__name__}: {e}")
-    return methods
+            line = lines.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            tail.append(line.rstrip("\n"))
+            continue
+        event = msg.get("event")
+        if event == "methods":
+            status["methods"], status["system"] = msg["methods"], msg.get("system") or {}
+        elif event == "request":
+            status["runs"] += msg["runs"]
+            status["requests_finished"] += 1
+        elif event == "error":
+            status["error"] = msg["error"]
+        elif event == "done":
+            done = True
+        if on_event is not None:
+            on_event(msg)
+    if timed_out:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    for t in readers:
+        t.join(timeout=5)
+    status["exit_code"], status["seconds"] = code, time.perf_counter() - started
+    status["stderr_tail"] = list(tail)[-20:]
+    if timed_out:
+        status["status"] = "timed_out"
+    elif code < 0 or code >= 128:  # killed by a signal, or a shell's 128 + signal (os._exit(139))
+        status["status"], status["signal"] = "crashed", -code if code < 0 else code - 128
+    elif code != 0 or not done:
+        status["status"] = "error"
+        if status["error"] is None:
+            status["error"] = next((x for x in reversed(tail) if x.strip()), f"exit code {code}")
+    return status
+
+
+def _note(s: dict) -> str | None:
+    peer, n, total = s["peer"], s["requests_finished"], s["requests_total"]
+    if s["status"] == "ok":
+        return None
+    kept = (f"the {n} request(s) it finished are kept (every method of it ran them), the rest of its figures "
+            f"are left out" if n else "its figures are left out")
+    where = f"after {n} of {total} requests" if s["methods"] else "while loading"
+    if s["status"] == "crashed":
+        sig = s["signal"]
+        return f"peer {peer} crashed (signal {sig} {_signal_name(sig)}, exit {s['exit_code']}) {where}; {kept}"
+    if s["status"] == "timed_out":
+        return (f"peer {peer} timed out: killed after {s['timeout_s']:.0f} s (--peer-timeout) {where}; {kept}")
+    if not s["methods"]:
+        return f"peer {peer} skipped: it could not load the model: {s['error']}"
+    return f"peer {peer} failed {where}: {s['error']}; {kept}"
+
+
+def _public(s: dict) -> dict:
+    """A status as results.json keeps it: without the runs (they are in ``peers.runs``)."""
+    return {k: v for k, v in s.items() if k != "runs"}
 
 
 def run_peers(config, target: str, draft: str | None, eos: set[int], requests, qd_runs: list[dict],
               notes: list[str], progress: bool) -> dict:
-    """Every peer method on every request (greedy), and their summary beside quickdraft's runs."""
+    """Every peer method on every request (greedy), each peer in a child process under
+    ``config.peer_timeout``, and their summary beside quickdraft's runs."""
     from tqdm import tqdm
 
     if not config.greedy:
         notes.append("peers skipped: they are compared at temperature 0 only")
-        return {"methods": [], "runs": [], "summary": []}
-    methods = build(config, target, draft, eos, notes)
-    runs = []
-    if methods:
-        for m in methods:  # warm-up, as for quickdraft's engines
-            m.generate(requests[0].prompt_token_ids[:64])
-        bar = tqdm(total=len(methods) * len(requests), desc="peers", unit="run", disable=not progress)
-        for i, req in enumerate(requests):
-            rot = i % len(methods)
-            for m in methods[rot:] + methods[:rot]:
-                bar.set_postfix_str(f"{req.id} {m.name}"[:60], refresh=False)
-                runs.append({"request": req.id, "peer": m.peer, "method": m.method, "name": m.name,
-                             **m.generate(req.prompt_token_ids)})
+        return {"methods": [], "runs": [], "summary": [], "status": []}
+    try:
+        import torch
+
+        threads = torch.get_num_threads()
+    except ImportError:
+        threads = os.cpu_count() or 1
+    from quickdraft.config import EngineConfig
+
+    dtype = str(EngineConfig(model=config.model, dtype=config.dtype).torch_dtype).replace("torch.", "")
+    lookup_max = next((v.lookup_max for v in config.variants if v.method == "ngram"), 4)
+    eos = set() if config.ignore_eos else eos
+    base = {"target": target, "draft": draft, "dtype": dtype, "k": config.peer_k, "lookup_max": lookup_max,
+            "max_tokens": config.max_tokens, "eos": sorted(eos), "ignore_eos": config.ignore_eos,
+            "threads": threads, "n_ctx": config.max_model_len, "sys_path": [p for p in sys.path if p],
+            "requests": [{"id": r.id, "prompt_token_ids": r.prompt_token_ids} for r in requests]}
+    timeout = getattr(config, "peer_timeout", None) or DEFAULT_TIMEOUT_S
+    methods, runs, statuses = [], [], []
+    for peer in config.peers:
+        if not _installed(peer):
+            notes.append(f"peer {peer} skipped: not installed (pip install 'quickdraft[peers]', or "
+                         f"{INSTALL.get(peer, peer)})")
+            statuses.append({"peer": peer, "status": "missing", "requests_finished": 0,
+                             "requests_total": len(requests)})
+            continue
+        bar = tqdm(total=None, desc=f"peer {peer}", unit="run", disable=not progress)
+
+        def on_event(msg, bar=bar):
+            if msg.get("event") == "methods":
+                bar.total = len(msg["methods"]) * len(requests)
+                bar.refresh()
+            elif msg.get("event") == "progress":
+                bar.set_postfix_str(msg["name"][:40], refresh=False)
                 bar.update(1)
+
+        status = run_child(peer, {**base, "factory": FACTORIES[peer]}, timeout, on_event)
         bar.close()
-    info = [{"name": m.name, "peer": m.peer, "method": m.method, "settings": m.settings,
-             "counterpart_method": COUNTERPART[m.method]} for m in methods]
-    return {"methods": info, "runs": runs,
-            "summary": summarize(info, runs, [r.to_dict() for r in requests], qd_runs, config.peer_k,
+        methods += status["methods"]
+        runs += status["runs"]
+        note = _note(status)
+        if note:
+            notes.append(note)
+        statuses.append(_public(status))
+    return {"methods": methods, "runs": runs, "status": statuses,
+            "summary": summarize(methods, runs, [r.to_dict() for r in requests], qd_runs, config.peer_k,
                                  {v.name: {"method": v.method, "k": v.k} for v in config.variants})}
 
 
@@ -270,3 +511,7 @@ def summarize(methods: list[dict], runs: list[dict], requests: list[dict], qd_ru
             })
     return rows
 
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

@@ -99,6 +99,31 @@ def floor_line(fl: dict) -> str:
             f"{_pct(fl['fraction_of_floor'])} of the floor")
 
 
+PEER_STATUS_HEADERS = ["peer", "status", "requests done", "version", "build"]
+BUILD_FEATURES = ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8")
+
+
+def _build(system: dict) -> str:
+    """The CPU features a peer's build uses (llama.cpp's system info), or its torch version."""
+    features = system.get("features") or {}
+    if features:
+        return " ".join(f"{k}={features[k]}" for k in BUILD_FEATURES if k in features) or "-"
+    return f"torch {system['torch']}" if system.get("torch") else "-"
+
+
+def peer_status_rows(peers: dict | None) -> list[list[str]]:
+    """Each peer asked for: how its child process ended and what build ran."""
+    if not peers:
+        return []
+    rows = []
+    for s in peers.get("status") or []:
+        state = s["status"] + (f" (signal {s['signal']})" if s.get("signal") else "")
+        system = s.get("system") or {}
+        rows.append([s["peer"], state, f"{s['requests_finished']}/{s['requests_total']}",
+                     str(system.get("version") or "-"), _build(system)])
+    return rows
+
+
 def headline(result: dict) -> list[str]:
     rows = result["summary"]
     lines = []
@@ -123,6 +148,9 @@ def terminal(result: dict) -> str:
     pr = peer_rows(result.get("peers"))
     if pr:
         parts.append(text_table(PEER_HEADERS, pr))
+    ps = peer_status_rows(result.get("peers"))
+    if any(row[1] != "ok" for row in ps):
+        parts.append(text_table(PEER_STATUS_HEADERS, ps))
     parts.append(floor_line(result["floor"]))
     parts += headline(result)
     parts += [f"note: {n}" for n in result["notes"]]
@@ -162,9 +190,18 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
             ["request", "variant", "position", "none token", "variant token", "top-2 margin", "rounding-level"],
             [[d["request"], d["variant"], str(d["position"]), str(d["none_token"]), str(d["variant_token"]),
               _f(d["margin"], 4), "yes" if d["rounding_level"] else "NO"] for d in result["divergences"]]), ""]
-    pr = peer_rows(result.get("peers"))
-    if pr:
-        out += ["## Peers", "", md_table(PEER_HEADERS, pr), ""]
+    pr, ps = peer_rows(result.get("peers")), peer_status_rows(result.get("peers"))
+    if pr or ps:
+        out += ["## Peers", ""]
+        if pr:
+            out += [md_table(PEER_HEADERS, pr), ""]
+        if ps:
+            out += ["Each peer runs in its own process under a time limit; one that crashes, hangs or is "
+                    "missing is noted below and the rest of the run is kept.", "",
+                    md_table(PEER_STATUS_HEADERS, ps), ""]
+            out += [f"- {s['peer']} system info: `{s['system']['system_info']}`"
+                     for s in result["peers"]["status"] if (s.get("system") or {}).get("system_info")]
+            out.append("")
     if plots:
         out += ["## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()] + [""]
     if result["notes"]:

@@ -53,7 +53,17 @@ DIVERGENCE = _obj({"request": STR, "variant": STR, "position": INT, "margin": NU
 FLOOR = _obj({"bandwidth_gb_per_s": NUM, "weight_bytes_per_token": INT, "floor_tokens_per_second": NUM,
               "none_tokens_per_second": NUM_OR_NULL, "fraction_of_floor": NUM_OR_NULL, "threads": INT})
 
-PEERS = _obj({"methods": {"type": "array"}, "runs": {"type": "array"}, "summary": {"type": "array"}})
+# One per peer asked for: ok, missing (not installed), error (it raised, or could not load the
+# model), crashed (killed by a signal: ``signal``), timed_out (killed after ``timeout_s``). A peer
+# that died keeps the requests it finished; ``system`` says which build ran (llama.cpp's system info).
+PEER_STATUS = _obj({"peer": STR, "status": {"enum": ["ok", "missing", "error", "crashed", "timed_out"]},
+                    "requests_finished": INT, "requests_total": INT},
+                   {"exit_code": {"type": ["integer", "null"]}, "signal": {"type": ["integer", "null"]},
+                    "error": {"type": ["string", "null"]}, "system": {"type": "object"},
+                    "stderr_tail": {"type": "array", "items": STR}, "seconds": NUM, "timeout_s": NUM})
+
+PEERS = _obj({"methods": {"type": "array"}, "runs": {"type": "array"}, "summary": {"type": "array"}},
+             {"status": {"type": "array", "items": PEER_STATUS}})
 
 SCHEMA = _obj({
     "schema_version": {"enum": [1]},

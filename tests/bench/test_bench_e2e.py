@@ -86,3 +86,10 @@ def test_peers_run_beside_quickdraft(smollm2_path):
         assert row["tokens_per_second_median"] > 0 and row["quickdraft_over_peer"] > 0
         assert row["quickdraft_variant"] == ("none" if row["method"] == "plain" else "ngram K=2 n=1..4")
     assert all(1 <= r["num_tokens"] <= 6 for r in result["peers"]["runs"])
+    # each ran in its own process, to the end, and says what it was
+    status = {s["peer"]: s for s in result["peers"]["status"]}
+    assert {p: s["status"] for p, s in status.items()} == {p: "ok" for p in names}
+    assert all(s["requests_finished"] == s["requests_total"] == 1 for s in status.values())
+    assert status["transformers"]["system"]["version"]
+    if "llama_cpp" in names:  # ggml's system info: the instruction sets the build uses
+        assert "AVX2" in status["llama_cpp"]["system"]["features"]

@@ -104,7 +104,8 @@ def test_a_missing_peer_is_skipped_with_a_note(monkeypatch):
     monkeypatch.setattr(peers, "_installed", lambda name: False)
     notes: list[str] = []
     cfg = BenchConfig(model="tiny", variants=[Variant("none")], datasets=[], peers=["transformers", "llama_cpp"])
-    assert peers.build(cfg, "tiny.gguf", None, {0}, notes) == []
+    out = peers.run_peers(cfg, "tiny.gguf", None, {0}, [], [], notes, progress=False)
+    assert out["runs"] == [] and [s["status"] for s in out["status"]] == ["missing", "missing"]
     assert len(notes) == 2 and all("not installed" in n and "quickdraft[peers]" in n for n in notes)
 
 
