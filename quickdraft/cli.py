@@ -22,6 +22,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model')
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: run a GGUF model on its stored block-quantized weights (Q4_K, Q6_K, Q8_0, ...); "
+                        "--dtype is then the activations'")
     p.add_argument("--max-model-len", type=int, default=None)
 
 
@@ -39,7 +42,7 @@ def _generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     llm = LLM(args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, max_num_seqs=1)
+              max_model_len=args.max_model_len, max_num_seqs=1, quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)

@@ -125,11 +125,11 @@ def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
 
     device = decoder.device
     shapes = [(n, q, ctx) for n, q, ctx in shapes if ctx + q <= kv.max_len]
-    embed = decoder.w["model.embed_tokens.weight"]
-    key = (embed.data_ptr(), tuple(embed.shape), decoder.num_layers, type(decoder.lm_head).__name__,
+    anchor = decoder.w["model.norm.weight"]  # a dense tensor of this model's, whatever its weight format
+    key = (anchor.data_ptr(), decoder.weight_bytes_per_token(), decoder.num_layers, type(decoder.lm_head).__name__,
            str(decoder.dtype), str(device), torch.get_num_threads(), tuple(shapes))
     ref, points = _CALIBRATED.get(key, (None, None))
-    if ref is not None and ref() is embed:  # the same tensor, not a new one at a freed address
+    if ref is not None and ref() is anchor:  # the same tensor, not a new one at a freed address
         return LinearCost(points)
     context = max((ctx for _, _, ctx in shapes), default=0)
     if context:
@@ -147,7 +147,7 @@ def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
             if run:
                 best = min(best, time.perf_counter() - t0)
         points.append((n * q, n, n * key_reads(ctx, q), best))
-    _CALIBRATED[key] = (weakref.ref(embed), points)
+    _CALIBRATED[key] = (weakref.ref(anchor), points)
     return LinearCost(points)
 
 

@@ -8,6 +8,7 @@ invariance).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
@@ -31,7 +32,8 @@ class Engine:
     def __init__(self, config: EngineConfig, target: LoadedModel | None = None):
         self.config = config
         dtype = config.torch_dtype
-        self.model = target if target is not None else load_model(config.model, dtype, config.device)
+        load = functools.partial(load_model, dtype=dtype, device=config.device, quantization=config.quantization)
+        self.model = target if target is not None else load(config.model)
         self.tokenizer = self.model.tokenizer
         self.decoder = Decoder(self.model.config, self.model.weights)
         ctx_len = self.model.config.max_position_embeddings
@@ -40,7 +42,7 @@ class Engine:
         ctx = ProposerContext(
             target=self.model, dtype=dtype, device=config.device, num_slots=config.max_num_seqs,
             max_model_len=self.max_model_len,
-            load_model=lambda m: m if isinstance(m, LoadedModel) else load_model(m, dtype, config.device),
+            load_model=lambda m: m if isinstance(m, LoadedModel) else load(m),
         )
         self.proposer = create_proposer(config.speculative, ctx)
         spec = config.speculative

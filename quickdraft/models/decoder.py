@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.kernels import Invariance, dense_linear, invariance
-from quickdraft.models.quant import Int8Weight, int8_matmul, quantize_weights
+from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.quant import Int8Weight, quantize_weights
 
 ROW_MULTIPLE = 4
 MAX_ROW_BY_ROW = 32  # a chain of at most this many new tokens attends row by row (see _attention)
@@ -72,18 +73,22 @@ def _bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(padded.transpose(0, 1), b)[:, :rows]
 
 
-def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ weight[out, in].T (+ bias) -> [n, out]: our batch-invariant CPU kernel for
-    float32 and bfloat16 where the CPU has it (kernels/), else torch's linear with the rows padded
-    to a multiple of ROW_MULTIPLE. An Int8Weight (draft models only, models/quant.py) takes the
-    int8 kernel."""
-    if isinstance(weight, Int8Weight):
-        return int8_matmul(x, weight, bias)
+def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | BlockWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ weight[out, in].T (+ bias) -> [n, out]. A quantized weight (the int8 draft
+    format, models/quant.py; GGUF blocks, models/ggml.py) multiplies itself. A dense one takes our
+    batch-invariant CPU kernel for float32 and bfloat16 where the CPU has it (kernels/), else
+    torch's linear with the rows padded to a multiple of ROW_MULTIPLE."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
     kernel = dense_linear(x.dtype, x.device) if x.dtype == weight.dtype and weight.is_contiguous() else None
     if kernel is not None:
         return kernel(x, weight, bias)
     xp, n = _pad_rows(x)
     return F.linear(xp, weight, bias)[:n]
+
+
+def _nbytes(w) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,10 +128,13 @@ class Decoder:
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.config = config
+        norm = weights["model.norm.weight"]  # the embedding may be a BlockWeight: the norm has the dtype
+        self.device = norm.device
+        self.dtype = norm.dtype
         embed = weights["model.embed_tokens.weight"]
-        self.device = embed.device
-        self.dtype = embed.dtype
         self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        if quantize == "int8" and any(isinstance(w, BlockWeight) for w in weights.values()):
+            raise ValueError("the weights are GGUF blocks already; int8 quantization applies to dense weights")
         if quantize == "int8":
             weights, self.lm_head = quantize_weights(weights, self.lm_head)
         elif quantize is not None:
@@ -139,7 +147,8 @@ class Decoder:
     def batch_invariance(self) -> Invariance:
         """What this model's projections promise on this machine (a draft's int8 path is invariant
         too, but only the target's rounding can change the output)."""
-        return invariance(self.dtype, self.device)
+        blocks = any(isinstance(w, BlockWeight) for w in self.w.values()) or isinstance(self.lm_head, BlockWeight)
+        return invariance(self.dtype, self.device, blocks)
 
     @property
     def num_layers(self) -> int:
@@ -148,8 +157,7 @@ class Decoder:
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decoding step reads (embedding rows excluded: one row per token)."""
         skip = ("model.embed_tokens.weight", "lm_head.weight")
-        total = sum(t.numel() * t.element_size() for n, t in self.w.items() if n not in skip)
-        return total + self.lm_head.numel() * self.lm_head.element_size()
+        return sum(_nbytes(t) for n, t in self.w.items() if n not in skip) + _nbytes(self.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -160,7 +168,11 @@ class Decoder:
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first layers (self-speculation); None = all
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
-        x = self.w["model.embed_tokens.weight"][tokens]  # [num_tokens, hidden]
+        embed = self.w["model.embed_tokens.weight"]
+        if isinstance(embed, BlockWeight):
+            x = embed.dequantize(self.dtype, rows=tokens)  # [num_tokens, hidden]
+        else:
+            x = embed[tokens]  # [num_tokens, hidden]
         for layer in range(num_layers if num_layers is not None else self.num_layers):
             x = self._block(layer, x, positions, kv, meta)
         return rms_norm(x, self.w["model.norm.weight"], self.config.rms_norm_eps)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from quickdraft.errors import ModelFormatError
 from quickdraft.models.config import ModelConfig
+from quickdraft.models.ggml import BLOCKS, BlockWeight
 from quickdraft.models.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -148,22 +149,38 @@ def dequantize_tensor(t: gguf.ReaderTensor, source: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(_torch_shape(t))
 
 
-def _convert(t: gguf.ReaderTensor, config: ModelConfig, dtype: torch.dtype, source: str) -> tuple[str, torch.Tensor]:
+def _as_blocks(t: gguf.ReaderTensor) -> BlockWeight | None:
+    """The tensor as stored, if it is a matrix in a block format the kernels multiply."""
+    shape = _torch_shape(t)
+    if t.tensor_type.name not in BLOCKS or len(shape) != 2 or shape[1] % 64:
+        return None
+    return BlockWeight.from_gguf(t.tensor_type.name, t.data, shape)
+
+
+def _convert(t: gguf.ReaderTensor, config: ModelConfig, dtype: torch.dtype, source: str,
+             keep_blocks: bool) -> tuple[str, torch.Tensor | BlockWeight]:
     name = hf_name(t.name)
     if name is None:
         raise ModelFormatError(f"{source}: tensor {t.name} is not part of a {config.arch} model quickdraft knows")
-    w = dequantize_tensor(t, source)
-    if config.arch == "llama" and ".q_proj." in name:
-        w = unpermute_rows(w, config.num_heads)
-    elif config.arch == "llama" and ".k_proj." in name:
-        w = unpermute_rows(w, config.num_kv_heads)
-    return name, w.to(dtype)
+    w = _as_blocks(t) if keep_blocks else None
+    if w is None:
+        w = dequantize_tensor(t, source).to(dtype)
+    heads = {".q_proj.": config.num_heads, ".k_proj.": config.num_kv_heads}
+    for part, n_head in heads.items():
+        if config.arch == "llama" and part in name:
+            if isinstance(w, BlockWeight):  # rows are independent in every layout: reorder them whole
+                w = w.select(unpermute_rows(torch.arange(w.shape[0]), n_head))
+            else:
+                w = unpermute_rows(w, n_head)
+    return name, w
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a whole GGUF file: (config, {HF name: tensor in ``dtype`` on the CPU}, tokenizer)."""
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, keep_blocks: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | BlockWeight], Tokenizer]:
+    """Read a whole GGUF file: (config, {HF name: tensor in ``dtype`` on the CPU}, tokenizer).
+    ``keep_blocks``: matrices in a block format the CPU kernels multiply (models/ggml.py) stay as
+    stored, as BlockWeight; the rest is dequantized to ``dtype``."""
     source = str(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -171,8 +188,8 @@ def load_gguf(
     shapes = {t.name: _torch_shape(t) for t in reader.tensors}
     config = config_from_metadata(meta, shapes, tokenizer, source)
     weights = dict(
-        _convert(t, config, dtype, source)
-        for t in tqdm(reader.tensors, desc=f"dequantizing {Path(path).name}", unit="tensor", disable=not progress)
+        _convert(t, config, dtype, source, keep_blocks)
+        for t in tqdm(reader.tensors, desc=f"{'repacking' if keep_blocks else 'dequantizing'} {Path(path).name}", unit="tensor", disable=not progress)
     )
     missing = [n for n in config.weight_names() if n not in weights]
     if missing:

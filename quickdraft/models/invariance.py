@@ -17,6 +17,7 @@ import torch
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder, linear
 from quickdraft.models.kernels import int8_linear
+from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.quant import Int8Weight
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -39,6 +40,8 @@ class ProbeResult:
 
 
 def _head_rows(w, n: int):
+    if isinstance(w, BlockWeight):
+        return w.select(torch.arange(min(n, w.shape[0])))
     if isinstance(w, Int8Weight):
         return Int8Weight(w.q[:n].contiguous(), w.scale[:n].contiguous(), w.qsum[:n].contiguous())
     return w[:n].contiguous()
@@ -49,7 +52,7 @@ def probe_linear(name: str, weight, bias, dtype: torch.dtype, path: str, max_row
     """``linear`` on 1..max_rows rows against each row computed alone, bit for bit."""
     start = time.perf_counter()
     out_features, in_features = weight.shape
-    device = weight.q.device if isinstance(weight, Int8Weight) else weight.device
+    device = weight.device if isinstance(weight, torch.Tensor) else weight.q.device
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(max_rows, in_features, generator=g).to(device=device, dtype=dtype)  # [max_rows, in]
     alone = torch.cat([linear(x[r : r + 1], weight, bias) for r in range(max_rows)])  # [max_rows, out]
@@ -90,9 +93,9 @@ def probe_decoder(model: Decoder, num_tokens: int = 24, chunk: int = 7, seed: in
                        time.perf_counter() - start)
 
 
-def _path(weight, dense_path: str) -> str:
+def _path(weight, model_path: str) -> str:
     if not isinstance(weight, Int8Weight):
-        return dense_path
+        return model_path  # dense, or GGUF blocks: the model's path names which
     return "int8-vnni" if int8_linear() is not None else "torch-cpu"
 
 
@@ -103,7 +106,7 @@ def probe(model: Decoder, max_rows: int = 64) -> list[ProbeResult]:
     results, seen = [], set()
     for name in PROJECTIONS:
         weight, bias = w[f"model.layers.0.{name}.weight"], w.get(f"model.layers.0.{name}.bias")
-        key = (tuple(weight.shape), type(weight), bias is not None)
+        key = (tuple(weight.shape), type(weight), getattr(weight, "ggml_type", None), bias is not None)
         if key in seen:
             continue
         seen.add(key)

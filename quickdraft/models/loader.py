@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from quickdraft.errors import ModelFormatError
@@ -25,6 +25,7 @@ from quickdraft.models import gguf as gguf_loader
 from quickdraft.models import hf as hf_loader
 from quickdraft.models import registry
 from quickdraft.models.config import ModelConfig
+from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.tokenizer import Tokenizer
 
 # Bump when the conversion itself changes (names, unpermute, tokenizer building), so that old
@@ -39,15 +40,22 @@ class LoadedModel:
     """A model ready for the decoder: weights by Hugging Face name, in ``dtype`` on ``device``."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, "torch.Tensor | BlockWeight"]  # BlockWeight: a GGUF matrix kept as stored
     tokenizer: Tokenizer
     source: str  # the file or directory the weights came from
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+QUANTIZATIONS = (None, "gguf")
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quantization: str | None = None) -> LoadedModel:
     """Load a built-in model by name (``smollm2-135m-instruct``), a ``.gguf`` file, or a Hugging
     Face directory. Every tensor, norms and biases included, is in ``dtype``: upcasting is the
-    decoder's decision."""
+    decoder's decision. ``quantization="gguf"``: a GGUF's block-quantized matrices stay as stored
+    (models/ggml.py), and ``dtype`` is that of the activations and of everything else."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelFormatError(f"quantization {quantization!r} is not supported (supported: none, gguf)")
     if dtype not in _DTYPES:
         raise ModelFormatError(f"dtype {dtype} is not supported (supported: {', '.join(_DTYPES.values())})")
     name_or_path = str(name_or_path)
@@ -58,10 +66,12 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
         if not path.exists():
             raise registry.unknown_model_error(name_or_path)
     if path.is_dir():
+        if quantization == "gguf":
+            raise ModelFormatError(f"{path}: quantization gguf needs a .gguf file, not a Hugging Face directory")
         config, weights, tokenizer = hf_loader.load_hf_dir(path, dtype, device)
     else:
-        config, weights, tokenizer = load_gguf_cached(path, dtype)
-        weights = {k: v.to(device) for k, v in weights.items()}
+        config, weights, tokenizer = load_gguf_cached(path, dtype, keep_blocks=quantization == "gguf")
+        weights = {k: v.to(device) for k, v in weights.items()}  # BlockWeight.to moves its parts
     if registry.is_builtin(name_or_path):
         config = dataclasses.replace(config, name=name_or_path)
     return LoadedModel(config, weights, tokenizer, str(path))
@@ -91,25 +101,31 @@ def conversion_dir(path: Path) -> Path:
     return registry.cache_dir() / "converted" / f"{path.stem}-{fingerprint(path)}"
 
 
-def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """(config, weights on the CPU in ``dtype``, tokenizer) of a GGUF file, converting it once."""
+def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = False):
+    """(config, weights on the CPU in ``dtype``, tokenizer) of a GGUF file, converting it once.
+    With ``keep_blocks`` the cache holds the repacked block weights (about the file's size)."""
     path = Path(path)
     out = conversion_dir(path)
-    weights_file = out / f"weights-{_DTYPES[dtype]}.safetensors"
+    weights_file = out / f"weights-{_DTYPES[dtype]}{'-blocks' if keep_blocks else ''}.safetensors"
     if all(f.exists() for f in (weights_file, out / "config.json", out / "tokenizer.json")):
         try:
             return _read_cached(out, weights_file)
         except (OSError, ValueError, TypeError, KeyError, SafetensorError):
             pass  # a damaged entry: convert again and overwrite it
-    config, weights, tokenizer = gguf_loader.load_gguf(path, dtype)
+    config, weights, tokenizer = gguf_loader.load_gguf(path, dtype, keep_blocks=keep_blocks)
     _write(out, weights_file, config, weights, tokenizer)
     return config, weights, tokenizer
 
 
-def _read_cached(out: Path, weights_file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _read_cached(out: Path, weights_file: Path):
     config = ModelConfig(**_config_fields(json.loads((out / "config.json").read_text())))
     tokenizer = Tokenizer.from_json((out / "tokenizer.json").read_text(encoding="utf-8"))
-    return config, load_file(weights_file), tokenizer
+    with safe_open(weights_file, "pt") as f:
+        blocks = json.loads((f.metadata() or {}).get("blocks", "{}"))  # name -> GGUF type
+    tensors = load_file(weights_file)
+    weights = {n: BlockWeight.from_parts(kind, n, tensors) for n, kind in blocks.items()}
+    weights |= {n: t for n, t in tensors.items() if "::" not in n}
+    return config, weights, tokenizer
 
 
 def _config_fields(d: dict) -> dict:
@@ -129,6 +145,11 @@ def _atomic_write(target: Path, write) -> None:
 def _write(out: Path, weights_file: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # Weights first: the loader only trusts an entry once config and tokenizer exist too.
-    _atomic_write(weights_file, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
+    blocks = {n: w.ggml_type for n, w in weights.items() if isinstance(w, BlockWeight)}
+    flat = {}
+    for n, w in weights.items():
+        flat |= w.parts(n) if isinstance(w, BlockWeight) else {n: w}
+    meta = {"format": "pt", "blocks": json.dumps(blocks)}
+    _atomic_write(weights_file, lambda p: save_file(flat, str(p), metadata=meta))
     _atomic_write(out / "tokenizer.json", lambda p: p.write_text(tokenizer.to_json(), encoding="utf-8"))
     _atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(config), indent=1)))

@@ -33,14 +33,16 @@ class Int8Weight:
     def shape(self) -> torch.Size:
         return self.q.shape
 
-    def numel(self) -> int:
-        return self.q.numel()
-
-    def element_size(self) -> int:
-        return 1
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel() + 4 * self.qsum.numel()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, in] @ w.T (+ bias) -> [n, out]."""
+        return int8_matmul(x, self, bias)
 
 
 def quantizable() -> bool:

@@ -23,6 +23,7 @@ from quickdraft.engine.cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
@@ -49,8 +50,9 @@ class DraftModelProposer:
         draft = ctx.load_model(spec.model)
         check_same_vocabulary(ctx.target, draft)
         quantize = spec.quantization
-        if quantize == "auto":
-            quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 else None
+        stored = any(isinstance(w, BlockWeight) for w in draft.weights.values())
+        if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
+            quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
         return cls(Decoder(draft.config, draft.weights, quantize=quantize), ctx.num_slots,
                    ctx.max_model_len, spec.draft_confidence_threshold, calibrate_cost=spec.adaptive)
 

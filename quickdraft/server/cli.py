@@ -83,7 +83,8 @@ def serve(args) -> int:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}", "max_queue")
     spec = speculative_config(args)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, speculative=spec)
+                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, speculative=spec,
+                          quantization=args.quantization)
     engine = Engine(config)
     names = args.served_model_name or [args.model]
     k = spec.num_speculative_tokens if spec.enabled else 0

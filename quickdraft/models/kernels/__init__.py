@@ -86,16 +86,18 @@ class Invariance:
         return asdict(self)
 
 
-def invariance(dtype: torch.dtype, device: torch.device | str) -> Invariance:
-    """What the decoder's dense linear promises for ``dtype`` on ``device`` on this machine."""
+def invariance(dtype: torch.dtype, device: torch.device | str, blocks: bool = False) -> Invariance:
+    """What the decoder's linear promises for ``dtype`` activations on ``device`` on this machine,
+    with dense weights or (``blocks``) GGUF block weights (blocks.cpp)."""
     device = torch.device(device)
     name = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+    name = f"gguf-blocks-{name}" if blocks else name
     if device.type != "cpu":
         return Invariance(False, f"torch-{device.type}",
                           f"{device.type}: the vendor BLAS picks its kernel by the number of rows, so a row can round "
                           "differently in a verification pass than alone; greedy output equals plain decoding "
                           "except where the top two logits are within rounding")
-    if dense_linear(dtype, device) is not None:
+    if dense_linear(dtype, device) is not None:  # the block kernels live in the same module
         return Invariance(True, f"{name}-avx512",
                           "quickdraft's own kernel: one instruction sequence per output, whatever the rows")
     return Invariance(False, "torch-cpu", f"torch's matmul, whose rounding may depend on the row count: {_why_no_kernel(dtype)}")
