@@ -1,5 +1,6 @@
 """End to end on real weights (SmolLM2-135M-Instruct): speculative greedy output equals plain greedy
-output token for token, for n-gram lookup and for a draft model, in float32 and in bfloat16.
+output token for token, for n-gram lookup and for a draft model, in float32 and in bfloat16, on
+dequantized weights and on the GGUF file's blocks as stored.
 
 bfloat16 is exact too, not only float32: every op of the decoder is batch invariant (see
 models/decoder.py), so a verification pass over K + 1 tokens rounds each row exactly as the
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.loader import load_model
 from quickdraft.models.quant import Int8Weight
 
@@ -22,10 +24,11 @@ PROMPTS = [
 PARAMS = SamplingParams(max_tokens=40, temperature=0)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "gguf-bfloat16", "gguf-float32"])
 def target(request, smollm2_path):
-    dtype = getattr(torch, request.param)
-    return request.param, load_model(str(smollm2_path), dtype)
+    """gguf-*: the file's Q4_1 / Q8_0 blocks as stored (models/ggml.py), activations in that dtype."""
+    quantization, _, dtype = request.param.rpartition("-")
+    return dtype, load_model(str(smollm2_path), getattr(torch, dtype), quantization=quantization or None)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +63,8 @@ def test_self_draft_accepts_everything(target, plain):
 def test_int8_draft_changes_only_the_speed(target, plain):
     """A quantized draft proposes differently; the target's verification keeps the output."""
     dtype, model = target
+    if isinstance(model.weights["lm_head.weight" if "lm_head.weight" in model.weights else "model.embed_tokens.weight"], BlockWeight):
+        pytest.skip("GGUF blocks are smaller than int8 already: no int8 draft of them")
     llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4,
                                          "quantization": "int8", "adaptive": False}, dtype=dtype)
     outs = llm.generate(PROMPTS, PARAMS)
