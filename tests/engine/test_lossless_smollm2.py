@@ -24,7 +24,7 @@ PROMPTS = [
 PARAMS = SamplingParams(max_tokens=40, temperature=0)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "gguf-bfloat16", "gguf-float32"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "gguf-bfloat16"])
 def target(request, smollm2_path):
     """gguf-*: the file's Q4_1 / Q8_0 blocks as stored (models/ggml.py), activations in that dtype."""
     quantization, _, dtype = request.param.rpartition("-")
