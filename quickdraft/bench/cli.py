@@ -139,6 +139,8 @@ def command_line(settings: dict, args) -> str:
         if settings.get(key) is not None:
             parts += [flag, str(settings[key])]
     parts += ["--dtype", args.dtype, "--device", args.device]
+    if args.quantization:
+        parts += ["--quantization", args.quantization]
     if args.ignore_eos:
         parts.append("--ignore-eos")
     if args.speculative_config:
@@ -189,7 +191,7 @@ def build_config(settings: dict, args):
         categories=_names(settings["categories"]) or None, max_tokens=settings["max_tokens"],
         temperature=settings["temperature"], seed=settings["seed"], num_seeds=settings["num_seeds"] or 1,
         repeats=settings["repeats"], warmup_tokens=settings["warmup_tokens"], ignore_eos=args.ignore_eos,
-        dtype=args.dtype, device=args.device, max_model_len=settings["max_model_len"], peers=peers,
+        dtype=args.dtype, device=args.device, quantization=args.quantization, max_model_len=settings["max_model_len"], peers=peers,
         peer_k=settings["peer_num_speculative_tokens"], peer_timeout=float(settings["peer_timeout"]),
     )
 

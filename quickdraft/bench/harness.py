@@ -30,7 +30,7 @@ from quickdraft.cli import summarize
 from quickdraft.config import EngineConfig
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
-from quickdraft.models.decoder import AttentionMetadata
+from quickdraft.models.decoder import AttentionMetadata, nbytes
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
 
@@ -103,6 +103,7 @@ class BenchConfig:
     ignore_eos: bool = False
     dtype: str = "bfloat16"
     device: str = "cpu"
+    quantization: str | None = None  # "gguf": target and drafts on their stored GGUF blocks
     max_model_len: int = 2048
     permutations: int = 200  # TV permutation test
     peers: list[str] = field(default_factory=list)
@@ -243,10 +244,10 @@ class Harness:
         bandwidth = measure_bandwidth()
         lap("floor_s")
         dtype = EngineConfig(model=c.model, dtype=c.dtype).torch_dtype
-        target = load_model(c.model, dtype, c.device)
+        target = load_model(c.model, dtype, c.device, c.quantization)
         # each draft loaded once, shared by every K
         names = dict.fromkeys(v.draft for v in c.variants if v.draft)
-        drafts = {name: load_model(name, dtype, c.device) for name in names}
+        drafts = {name: load_model(name, dtype, c.device, c.quantization) for name in names}
         draft = next(iter(drafts.values()), None)  # the one the peers get
         engines = self._engines(target, drafts)
         lap("load_s")
@@ -260,6 +261,7 @@ class Harness:
             "floor": floor(bandwidth, decoder.weight_bytes_per_token(), none_tps),
             "requests": [r.to_dict() for r in requests], "runs": runs,
             "divergences": divergences, "tv_tests": tv, "model_mib": memory,
+            "batch_invariance": decoder.batch_invariance.to_dict(),
         }
         eos = set(target.config.eos_token_ids)
         target_source, draft_source = target.source, draft.source if draft else None
@@ -282,10 +284,10 @@ class Harness:
         eng = llm.engine
         caches = [eng.kv, getattr(eng.proposer, "kv", None)]
         total = sum(t.numel() * t.element_size() for kv in caches if kv is not None for t in kv.keys + kv.values)
-        total += sum(t.numel() * t.element_size() for t in eng.model.weights.values())
+        total += sum(nbytes(t) for t in eng.model.weights.values())
         draft = getattr(eng.proposer, "model", None)
         if draft is not None:
-            total += sum(t.numel() * t.element_size() for t in draft.w.values())
+            total += sum(nbytes(t) for t in draft.w.values())
         return total
 
     def _measure(self, prompts, engines, lap: Callable[[str], None]):
@@ -370,5 +372,7 @@ def _model_info(m: LoadedModel) -> dict:
     cfg = m.config
     return {"name": cfg.name, "source": m.source, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,
-            "weight_bytes": sum(t.numel() * t.element_size() for t in m.weights.values()),
-            "dtype": str(next(iter(m.weights.values())).dtype).replace("torch.", "")}
+            "weight_bytes": sum(nbytes(t) for t in m.weights.values()),
+            "dtype": str(m.weights["model.norm.weight"].dtype).replace("torch.", ""),
+            "formats": sorted({getattr(t, "ggml_type", None) or str(t.dtype).replace("torch.", "")
+                               for n, t in m.weights.items() if n.endswith("proj.weight")})}

@@ -92,6 +92,14 @@ def peer_rows(peers: dict | None) -> list[list[str]]:
              _pct(r["fraction_identical_to_quickdraft_none"])] for r in peers["summary"]]
 
 
+def invariance_line(inv: dict | None) -> str:
+    """Whether this run's greedy outputs are promised equal bit for bit (README: what it covers)."""
+    if inv is None:
+        return "batch invariance: not recorded"
+    verdict = "promised" if inv["promised"] else "NOT promised"
+    return f"batch invariance: {verdict} on this machine ({inv['path']}): {inv['why']}"
+
+
 def floor_line(fl: dict) -> str:
     return (f"floor: {fl['bandwidth_gb_per_s']:.1f} GB/s read bandwidth ({fl['threads']} threads) / "
             f"{fl['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = "
@@ -152,6 +160,7 @@ def terminal(result: dict) -> str:
     if any(row[1] != "ok" for row in ps):
         parts.append(text_table(PEER_STATUS_HEADERS, ps))
     parts.append(floor_line(result["floor"]))
+    parts.append(invariance_line(result.get("batch_invariance")))
     parts += headline(result)
     parts += [f"note: {n}" for n in result["notes"]]
     return "\n\n".join(parts)
@@ -184,6 +193,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
                  [[r["variant"], r["dataset"], _positions(r["acceptance_by_position"])] for r in rows
                   if r["category"] == ALL and r["method"] != "none"]), "",
         "## The floor", "", floor_line(result["floor"]), "",
+        "## Bit for bit", "", invariance_line(result.get("batch_invariance")), "",
     ]
     if result["divergences"]:
         out += ["## Greedy divergences", "", md_table(

@@ -74,6 +74,7 @@ SCHEMA = _obj({
     "versions": _obj({"quickdraft": STR, "torch": STR, "python": STR}),
     "models": _obj({"target": _obj({"name": STR, "source": STR, "weight_bytes": INT})}),
     "floor": FLOOR,
+    "batch_invariance": _obj({"promised": {"type": "boolean"}, "path": STR, "why": STR}),
     "requests": {"type": "array", "items": REQUEST},
     "runs": {"type": "array", "items": RUN},
     "summary": {"type": "array", "items": SUMMARY_ROW},

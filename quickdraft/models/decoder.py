@@ -87,7 +87,8 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | BlockWeight", b
     return F.linear(xp, weight, bias)[:n]
 
 
-def _nbytes(w) -> int:
+def nbytes(w) -> int:
+    """Bytes of a weight in any format (a dense tensor, Int8Weight, BlockWeight)."""
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
 
 
@@ -157,7 +158,7 @@ class Decoder:
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decoding step reads (embedding rows excluded: one row per token)."""
         skip = ("model.embed_tokens.weight", "lm_head.weight")
-        return sum(_nbytes(t) for n, t in self.w.items() if n not in skip) + _nbytes(self.lm_head)
+        return sum(nbytes(t) for n, t in self.w.items() if n not in skip) + nbytes(self.lm_head)
 
     @torch.inference_mode()
     def forward(
