@@ -107,13 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_models)
 
     # The server and the bench register their own subcommands (their imports stay light).
-    from quickdraft import profile
+    from quickdraft import check, profile
     from quickdraft.bench import cli as bench_cli
     from quickdraft.server import cli as server_cli
 
     server_cli.register(sub)
     bench_cli.register(sub)
     profile.register(sub)
+    check.register(sub)
     return parser
 
 
