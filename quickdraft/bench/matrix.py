@@ -59,8 +59,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--tensor", default="blk.0.ffn_gate.weight")
     p.add_argument("--rows", default="1,2,4,8,16,32")
+    p.add_argument("--threads", type=int, default=None, help="torch (and kernel) threads; default: torch's")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = measure(args.model, args.tensor, [int(r) for r in args.rows.split(",")])
     if args.json:
         print(json.dumps(rows))

@@ -21,9 +21,10 @@
 
 namespace {
 
-// x [M, K] (float32 or bfloat16) -> int8 q [M, K], scales [M, K/32], and per block the float
-// xs * sum(q) (for the u4 layout's min term).
-void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* S, float* QS) {
+// x [M, K] (float32 or bfloat16) -> int8 q [M, K], per 64-chunk the two block scales spread over
+// 16 lanes as the kernels use them [M, K/64, 16], and per block the float xs * sum(q) (for the u4
+// layout's min term) [M, K/32]. q = round-half-even(x / s) with s = amax / 127, per block of 32.
+void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* XH, float* QS) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
   auto xf = x.to(torch::kFloat32).contiguous();
   const float* X = xf.data_ptr<float>();
@@ -31,16 +32,17 @@ void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* S, float* QS) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = X + m * K + b * 32;
-      float amax = 0.0f;
-      for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-      int32_t sum = 0;
-      for (int t = 0; t < 32; ++t) {
-        const int q = static_cast<int>(std::nearbyint(xb[t] / s));
-        Q[m * K + b * 32 + t] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      S[m * nb + b] = s;
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(lo, sv), _MM_FROUND_TO_NEAREST_INT));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(hi, sv), _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(Q + m * K + b * 32), _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(Q + m * K + b * 32 + 16), _mm512_cvtepi32_epi8(qhi));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      float* h = XH + (m * nb + b) * 8;  // [m][chunk b / 2][lanes 8 * (b % 2) ..]
+      for (int t = 0; t < 8; ++t) h[t] = s;
       QS[m * nb + b] = s * static_cast<float>(sum);
     }
   }
@@ -71,7 +73,7 @@ struct Out {  // y [M, N], float32 or bfloat16 (x's dtype)
 
 struct Rows {
   const int8_t* q;  // [M, K]
-  const float* s;   // [M, K/32]
+  const float* xh;  // [M, K/64, 16]: each chunk's two block scales, 8 lanes each
   const float* qs;  // [M, K/32]
   int64_t K;
 };
@@ -84,22 +86,23 @@ inline void block_u4(const Rows& x, const uint8_t* W, const float* WS, const flo
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f);
+  // per chunk: unpack the NB weight tiles once (nibbles split, scales spread), then every row
   for (int64_t c = 0; c < K / 64; ++c) {
-    __m512i xv[MB];
-    __m512 xs[MB];
-    for (int j = 0; j < MB; ++j) {
-      xv[j] = _mm512_loadu_si512(x.q + (m0 + j) * K + c * 64);
-      xs[j] = halves(x.s + (m0 + j) * nb + c * 2);
-    }
+    __m512i w[NB];
+    __m512 ws[NB];
     for (int i = 0; i < NB; ++i) {
       const int64_t n = n0 + i;
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + n * (K / 2) + c * 32));
-      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
-                                           _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
-      const __m512 ws = halves(WS + n * nb + c * 2);
-      for (int j = 0; j < MB; ++j) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[j]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[j]), acc[i][j]);
+      w[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
+                                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
+      ws[i] = halves(WS + n * nb + c * 2);
+    }
+    for (int j = 0; j < MB; ++j) {
+      const __m512i xv = _mm512_loadu_si512(x.q + (m0 + j) * K + c * 64);
+      const __m512 xs = _mm512_loadu_ps(x.xh + (m0 + j) * K / 4 + c * 16);
+      for (int i = 0; i < NB; ++i) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], xv);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[i], xs), acc[i][j]);
       }
     }
   }
@@ -129,20 +132,20 @@ inline void block_i8(const Rows& x, const int8_t* W, const float* WS, const floa
   // -128 * (the sum of its four weights), computed once per weight tile
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < K / 64; ++c) {
-    __m512i xv[MB];
-    __m512 xs[MB];
-    for (int j = 0; j < MB; ++j) {
-      xv[j] = _mm512_xor_si512(_mm512_loadu_si512(x.q + (m0 + j) * K + c * 64), flip);
-      xs[j] = halves(x.s + (m0 + j) * nb + c * 2);
-    }
+    __m512i w[NB], start[NB];
+    __m512 ws[NB];
     for (int i = 0; i < NB; ++i) {
       const int64_t n = n0 + i;
-      const __m512i w = _mm512_loadu_si512(W + n * K + c * 64);
-      const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
-      const __m512 ws = quarters(WS + n * (K / 16) + c * 4);
-      for (int j = 0; j < MB; ++j) {
-        const __m512i d = _mm512_dpbusd_epi32(start, xv[j], w);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[j]), acc[i][j]);
+      w[i] = _mm512_loadu_si512(W + n * K + c * 64);
+      start[i] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w[i]));
+      ws[i] = quarters(WS + n * (K / 16) + c * 4);
+    }
+    for (int j = 0; j < MB; ++j) {
+      const __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(x.q + (m0 + j) * K + c * 64), flip);
+      const __m512 xs = _mm512_loadu_ps(x.xh + (m0 + j) * K / 4 + c * 16);
+      for (int i = 0; i < NB; ++i) {
+        const __m512i d = _mm512_dpbusd_epi32(start[i], xv, w[i]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[i], xs), acc[i][j]);
       }
     }
   }
@@ -151,17 +154,21 @@ inline void block_i8(const Rows& x, const int8_t* W, const float* WS, const floa
       y.store((m0 + j) * N + n0 + i, _mm512_reduce_add_ps(acc[i][j]) + (B ? B[n0 + i] : 0.0f));
 }
 
-template <typename Tile>
+// Tiles of NB weight rows (threads split the tiles), each applied to blocks of MB rows of x: 8 rows
+// at a time share one unpacking of a 2-row weight tile; fewer rows take 4-row tiles. The choice
+// changes which loads are shared, never the order of any output's sums.
+template <int NB, typename Tile>
 void over_tiles(int64_t M, int64_t N, Tile tile) {
-  const int64_t full = N / 4 * 4;
+  const int64_t full = N / NB * NB;
 #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < full; n0 += 4) tile(std::integral_constant<int, 4>(), M, n0);
+  for (int64_t n0 = 0; n0 < full; n0 += NB) tile(std::integral_constant<int, NB>(), M, n0);
   for (int64_t n0 = full; n0 < N; ++n0) tile(std::integral_constant<int, 1>(), M, n0);
 }
 
-template <int NB, typename Block>
+template <typename Block>
 void over_rows(int64_t M, Block block) {
   int64_t m0 = 0;
+  for (; m0 + 8 <= M; m0 += 8) block(std::integral_constant<int, 8>(), m0);
   for (; m0 + 4 <= M; m0 += 4) block(std::integral_constant<int, 4>(), m0);
   switch (M - m0) {
     case 3: block(std::integral_constant<int, 3>(), m0); break;
@@ -171,14 +178,23 @@ void over_rows(int64_t M, Block block) {
   }
 }
 
-void prepare(const torch::Tensor& x, int64_t K, torch::Tensor& q, torch::Tensor& s, torch::Tensor& qs) {
+template <typename Tile>
+void dispatch(int64_t M, int64_t N, Tile tile) {
+  if (M >= 8) {
+    over_tiles<2>(M, N, tile);
+  } else {
+    over_tiles<4>(M, N, tile);
+  }
+}
+
+void prepare(const torch::Tensor& x, int64_t K, torch::Tensor& q, torch::Tensor& xh, torch::Tensor& qs) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 64 == 0, "x [M, K] with K a multiple of 64");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
   const int64_t M = x.size(0);
   q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  s = torch::empty({M, K / 32}, x.options().dtype(torch::kFloat32));
+  xh = torch::empty({M, K / 4}, x.options().dtype(torch::kFloat32));
   qs = torch::empty({M, K / 32}, x.options().dtype(torch::kFloat32));
-  quantize_blocks(x, q.data_ptr<int8_t>(), s.data_ptr<float>(), qs.data_ptr<float>());
+  quantize_blocks(x, q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>());
 }
 
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, torch::Tensor& b32) {
@@ -195,18 +211,18 @@ torch::Tensor linear_u4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
                   min.scalar_type() == torch::kFloat32, "w uint8, scale and min float32");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && min.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = w.size(1) * 2;
-  torch::Tensor q, s, qs, b32;
-  prepare(x, K, q, s, qs);
+  torch::Tensor q, xh, qs, b32;
+  prepare(x, K, q, xh, qs);
   auto out = torch::empty({x.size(0), N}, x.options());
   const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
-  const Rows rows{q.data_ptr<int8_t>(), s.data_ptr<float>(), qs.data_ptr<float>(), K};
+  const Rows rows{q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), K};
   const uint8_t* W = w.data_ptr<uint8_t>();
   const float* WS = scale.data_ptr<float>();
   const float* WM = min.data_ptr<float>();
   const float* B = bias_ptr(bias, b32);
-  over_tiles(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
+  dispatch(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
     constexpr int NB = decltype(nb)::value;
-    over_rows<NB>(M, [&](auto mb, int64_t m0) { block_u4<decltype(mb)::value, NB>(rows, W, WS, WM, B, y, N, m0, n0); });
+    over_rows(M, [&](auto mb, int64_t m0) { block_u4<decltype(mb)::value, NB>(rows, W, WS, WM, B, y, N, m0, n0); });
   });
   return out;
 }
@@ -215,17 +231,17 @@ torch::Tensor linear_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c
   TORCH_CHECK(w.scalar_type() == torch::kInt8 && scale.scalar_type() == torch::kFloat32, "w int8, scale float32");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = w.size(1);
-  torch::Tensor q, s, qs, b32;
-  prepare(x, K, q, s, qs);
+  torch::Tensor q, xh, qs, b32;
+  prepare(x, K, q, xh, qs);
   auto out = torch::empty({x.size(0), N}, x.options());
   const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
-  const Rows rows{q.data_ptr<int8_t>(), s.data_ptr<float>(), qs.data_ptr<float>(), K};
+  const Rows rows{q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), K};
   const int8_t* W = w.data_ptr<int8_t>();
   const float* WS = scale.data_ptr<float>();
   const float* B = bias_ptr(bias, b32);
-  over_tiles(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
+  dispatch(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
     constexpr int NB = decltype(nb)::value;
-    over_rows<NB>(M, [&](auto mb, int64_t m0) { block_i8<decltype(mb)::value, NB>(rows, W, WS, B, y, N, m0, n0); });
+    over_rows(M, [&](auto mb, int64_t m0) { block_i8<decltype(mb)::value, NB>(rows, W, WS, B, y, N, m0, n0); });
   });
   return out;
 }
