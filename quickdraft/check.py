@@ -87,7 +87,7 @@ def check(args) -> int:
     prompts = user_jsonl(args.prompts) if args.prompts else list(BUILTIN)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     dtype = EngineConfig(model=args.model, dtype=args.dtype).torch_dtype
-    target = load_model(args.model, dtype, args.device)
+    target = load_model(args.model, dtype, args.device, quantization=args.quantization)
     # K fixed: the adaptive planner may choose K = 0 where drafts do not pay, and would leave the
     # verification path unchecked; which K runs changes only the speed (tests/engine).
     spec = dataclasses.replace(spec, adaptive=False)
@@ -96,7 +96,8 @@ def check(args) -> int:
     texts = [render(p, target.tokenizer, []) for p in prompts]
     ids = [target.tokenizer.encode(t) for t in texts]
     longest = max(len(i) for i in ids) + max(args.max_tokens, args.sample_tokens) + spec.num_speculative_tokens + 1
-    common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or longest, max_num_seqs=SLOTS)
+    common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or longest, max_num_seqs=SLOTS,
+                  quantization=args.quantization)
     plain, speculative = LLM(target, **common), LLM(target, speculative_config=spec, **common)
     decoder = plain.engine.decoder
     sampled = _sampled_indices(prompts, args) if args.seeds else []
@@ -107,7 +108,7 @@ def check(args) -> int:
     greedy = check_greedy(plain, speculative, decoder, prompts, ids, args.max_tokens, bar)
     sample = check_sampled(plain, speculative, [prompts[i] for i in sampled], [ids[i] for i in sampled], args, bar)
     bar.close()
-    result = {"model": args.model, "dtype": args.dtype, "device": args.device,
+    result = {"model": args.model, "dtype": args.dtype, "device": args.device, "quantization": args.quantization,
               "speculative": {**spec.__dict__, "model": _name(spec.model)}, "kernels": kernels, "greedy": greedy,
               "sampled": sample}
     result.update(verdict(result, args.alpha))
@@ -250,14 +251,16 @@ def table(r: dict) -> str:
     k, g, s = r["kernels"], r["greedy"], r["sampled"]
     how = spec["method"] + (f" {spec['model']}" if spec["model"] else "") + f" K={spec['num_speculative_tokens']}"
     promise = k["promise"]
-    lines = [f"quickdraft check: {r['model']}, {r['dtype']} on {r['device']}, {how}", "",
+    width = max([16] + [len(p["path"]) + 1 for p in k["probes"]])
+    weights = f" on its {r['quantization']} blocks" if r["quantization"] else ""
+    lines = [f"quickdraft check: {r['model']}{weights}, {r['dtype']} on {r['device']}, {how}", "",
              f"kernels: {promise['path']}, {'promises' if promise['promised'] else 'does not promise'} batch "
              f"invariance ({promise['why']}); probed with 1..{k['max_rows']} rows in {k['seconds']:.1f}s",
-             f"  {'op':18} {'shape':>12} {'path':16} result"]
+             f"  {'op':18} {'shape':>12} {'path':{width}} result"]
     for p in k["probes"]:
         res = ("invariant" if p["invariant"] else
                f"differs from {p['first_bad_rows']} rows, max |diff| {p['max_abs_diff']:.3g}")
-        lines.append(f"  {p['name']:18} {'x'.join(map(str, p['shape'])):>12} {p['path']:16} {res}")
+        lines.append(f"  {p['name']:18} {'x'.join(map(str, p['shape'])):>12} {p['path']:{width}} {res}")
     lines += ["", f"greedy: {g['identical']}/{g['num_prompts']} identical to plain decoding ({g['max_tokens']} tokens; "
               f"plain alone, speculative all prompts in one batch) in {g['seconds']:.0f}s",
               f"  {'prompt':14} {'tokens':>6} {'accepted':>10}  result"]
