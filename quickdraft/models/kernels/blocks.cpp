@@ -24,7 +24,9 @@ namespace {
 // x [M, K] (float32 or bfloat16) -> int8 q [M, K], per 64-chunk the two block scales spread over
 // 16 lanes as the kernels use them [M, K/64, 16], and per block the float xs * sum(q) (for the u4
 // layout's min term) [M, K/32]. q = round-half-even(x / s) with s = amax / 127, per block of 32.
-void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* XH, float* QS) {
+// ``odd``: the factor on the second block's spread scale (1/16 for u4, whose high nibbles are
+// multiplied unshifted, i.e. by 16; a power of two, so the product is exact).
+void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* XH, float* QS, float odd) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
   auto xf = x.to(torch::kFloat32).contiguous();
   const float* X = xf.data_ptr<float>();
@@ -42,15 +44,19 @@ void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* XH, float* QS) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(Q + m * K + b * 32 + 16), _mm512_cvtepi32_epi8(qhi));
       const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
       float* h = XH + (m * nb + b) * 8;  // [m][chunk b / 2][lanes 8 * (b % 2) ..]
-      for (int t = 0; t < 8; ++t) h[t] = s;
+      const float spread = b % 2 ? s * odd : s;
+      for (int t = 0; t < 8; ++t) h[t] = spread;
       QS[m * nb + b] = s * static_cast<float>(sum);
     }
   }
 }
 
-// two floats, each over 8 lanes: the scales of the two 32-blocks of a 64-weight chunk
+// two floats, each over 8 lanes: the scales of the two 32-blocks of a 64-weight chunk (one load,
+// one permute)
 inline __m512 halves(const float* s) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s[0])), _mm256_set1_ps(s[1]), 1);
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(pair));
 }
 
 // four floats, each over 4 lanes: the scales of the four 16-blocks of a 64-weight chunk
@@ -85,7 +91,7 @@ inline void block_u4(const Rows& x, const uint8_t* W, const float* WS, const flo
   __m512 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8(static_cast<char>(0xf0));
   // per chunk: unpack the NB weight tiles once (nibbles split, scales spread), then every row
   for (int64_t c = 0; c < K / 64; ++c) {
     __m512i w[NB];
@@ -93,8 +99,9 @@ inline void block_u4(const Rows& x, const uint8_t* W, const float* WS, const flo
     for (int i = 0; i < NB; ++i) {
       const int64_t n = n0 + i;
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + n * (K / 2) + c * 32));
+      // the high nibbles stay in place, worth 16x: x's spread scale for them carries the 1/16
       w[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
-                                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
+                                _mm256_and_si256(packed, high), 1);
       ws[i] = halves(WS + n * nb + c * 2);
     }
     for (int j = 0; j < MB; ++j) {
@@ -187,14 +194,14 @@ void dispatch(int64_t M, int64_t N, Tile tile) {
   }
 }
 
-void prepare(const torch::Tensor& x, int64_t K, torch::Tensor& q, torch::Tensor& xh, torch::Tensor& qs) {
+void prepare(const torch::Tensor& x, int64_t K, torch::Tensor& q, torch::Tensor& xh, torch::Tensor& qs, float odd) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 64 == 0, "x [M, K] with K a multiple of 64");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
   const int64_t M = x.size(0);
   q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   xh = torch::empty({M, K / 4}, x.options().dtype(torch::kFloat32));
   qs = torch::empty({M, K / 32}, x.options().dtype(torch::kFloat32));
-  quantize_blocks(x, q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>());
+  quantize_blocks(x, q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), odd);
 }
 
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, torch::Tensor& b32) {
@@ -212,7 +219,7 @@ torch::Tensor linear_u4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && min.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = w.size(1) * 2;
   torch::Tensor q, xh, qs, b32;
-  prepare(x, K, q, xh, qs);
+  prepare(x, K, q, xh, qs, 1.0f / 16);
   auto out = torch::empty({x.size(0), N}, x.options());
   const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
   const Rows rows{q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), K};
@@ -232,7 +239,7 @@ torch::Tensor linear_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = w.size(1);
   torch::Tensor q, xh, qs, b32;
-  prepare(x, K, q, xh, qs);
+  prepare(x, K, q, xh, qs, 1.0f);
   auto out = torch::empty({x.size(0), N}, x.options());
   const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
   const Rows rows{q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), K};
