@@ -24,9 +24,13 @@ The plan changes nothing but speed: it only decides how many draft tokens the ve
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
+import os
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -113,15 +117,48 @@ class LinearCost:
 # Calibration points by (weights in memory, kind, shapes, threads): engines that share a loaded
 # model (the bench's variants, a test's LLMs) time it once per process. Each engine still gets a
 # LinearCost of its own, refitted to its own passes. It takes ~9 s for the 1.5B here and ~3 s
-# for the int8 0.5B.
+# for the int8 0.5B, so the points are also kept on disk (``calibration/`` in the cache), keyed by
+# what decides a pass's cost: this CPU, the model's shapes, bytes and weight formats, the kernels'
+# sources, threads and versions. A later process starts from them; the online refit corrects them.
 _CALIBRATED: dict[tuple, tuple[weakref.ref, list[tuple]]] = {}
+
+
+def _disk_key(decoder, shapes) -> str:
+    from quickdraft import __version__
+    from quickdraft.models.kernels import cpu_model, source_hash
+
+    c = decoder.config
+    parts = {
+        "cpu": cpu_model(), "kernels": source_hash(), "torch": torch.__version__, "quickdraft": __version__,
+        "threads": torch.get_num_threads(), "device": str(decoder.device), "dtype": str(decoder.dtype),
+        "path": decoder.batch_invariance.path, "head": type(decoder.lm_head).__name__,
+        "formats": sorted({getattr(w, "ggml_type", None) or type(w).__name__ for w in decoder.w.values()}),
+        "bytes": decoder.weight_bytes_per_token(), "shapes": [list(x) for x in shapes],
+        "model": [c.arch, c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads,
+                  c.num_kv_heads, c.head_dim],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _read_points(path: Path) -> list[tuple] | None:
+    try:
+        return [tuple(p) for p in json.loads(path.read_text())["points"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or damaged: time it again
+
+
+def _write_points(path: Path, points: list[tuple]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"points": points}))
+    os.replace(tmp, path)  # whole or not at all
 
 
 def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
     """Time ``decoder`` on the passes of ``shapes`` (best of two after a warm-up), all on ``slot``:
     it first fills the context, and each chain of a pass writes over the same positions. Call it
-    before any sequence holds that slot."""
-    from quickdraft.models.decoder import AttentionMetadata
+    before any sequence holds that slot. Known points (this process, or the cache) are reused."""
+    from quickdraft.models.registry import cache_dir
 
     device = decoder.device
     shapes = [(n, q, ctx) for n, q, ctx in shapes if ctx + q <= kv.max_len]
@@ -131,6 +168,20 @@ def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
     ref, points = _CALIBRATED.get(key, (None, None))
     if ref is not None and ref() is anchor:  # the same tensor, not a new one at a freed address
         return LinearCost(points)
+    disk = cache_dir() / "calibration" / f"{_disk_key(decoder, shapes)}.json"
+    points = _read_points(disk)
+    if points is None:
+        points = _time_passes(decoder, kv, slot, shapes)
+        _write_points(disk, points)
+    _CALIBRATED[key] = (weakref.ref(anchor), points)
+    return LinearCost(points)
+
+
+def _time_passes(decoder, kv, slot, shapes) -> list[tuple]:
+    """(rows, chains, keys read, best seconds) of each pass shape."""
+    from quickdraft.models.decoder import AttentionMetadata
+
+    device = decoder.device
     context = max((ctx for _, _, ctx in shapes), default=0)
     if context:
         meta = AttentionMetadata.chain([slot], [0], [context])
@@ -147,8 +198,7 @@ def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
             if run:
                 best = min(best, time.perf_counter() - t0)
         points.append((n * q, n, n * key_reads(ctx, q), best))
-    _CALIBRATED[key] = (weakref.ref(anchor), points)
-    return LinearCost(points)
+    return points
 
 
 @dataclass

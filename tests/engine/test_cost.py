@@ -102,10 +102,12 @@ def test_the_plan_is_within_two_percent_of_the_best(seed):
     assert step_rate(plan, alphas, target, draft, contexts) >= 0.98 * best
 
 
-def test_calibration_runs_once_per_loaded_model(monkeypatch):
+def test_calibration_runs_once_per_machine_and_model(monkeypatch, tmp_cache):
+    """Timed once; then reused in this process and, through the cache, by later processes with
+    the same CPU, shapes, formats and kernels. Another shape is timed anew."""
     import torch
 
-    from quickdraft.engine.cost import calibrate
+    from quickdraft.engine import cost
     from quickdraft.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.tiny import random_weights, tiny_config
@@ -116,10 +118,14 @@ def test_calibration_runs_once_per_loaded_model(monkeypatch):
     calls = []
     forward = Decoder.forward
     monkeypatch.setattr(Decoder, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
-    first = calibrate(Decoder(config, weights), kv)
+    first = cost.calibrate(Decoder(config, weights), kv)
     timed = len(calls)
-    assert timed > 0
-    again = calibrate(Decoder(config, weights), kv)  # another engine over the same weights
+    assert timed > 0 and len(list((tmp_cache / "calibration").glob("*.json"))) == 1
+    again = cost.calibrate(Decoder(config, weights), kv)  # another engine over the same weights
     assert len(calls) == timed and again.to_dict() == first.to_dict()
-    calibrate(Decoder(config, random_weights(config, seed=1)), kv)  # other weights: timed anew
-    assert len(calls) > timed
+    monkeypatch.setattr(cost, "_CALIBRATED", {})  # a new process
+    later = cost.calibrate(Decoder(config, random_weights(config, seed=1)), kv)  # same shapes: from the cache
+    assert len(calls) == timed and later.to_dict() == first.to_dict()
+    deeper = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=2)
+    cost.calibrate(Decoder(deeper, random_weights(deeper, seed=0)), KVCache(deeper, 1, 300, torch.float32))
+    assert len(calls) > timed and len(list((tmp_cache / "calibration").glob("*.json"))) == 2

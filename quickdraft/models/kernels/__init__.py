@@ -13,6 +13,7 @@ an Intel Xeon with AMX, and for 1..3 tail rows on an AMD EPYC; cuBLAS picks by s
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ import torch
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
+SOURCES = ("linear.cpp", "blocks.cpp")
 ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
 
@@ -34,6 +36,25 @@ def _cpu_has(*flags: str) -> bool:
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     have = set(line.split())
     return all(f in have for f in flags)
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (for cache keys: costs and kernel paths differ by CPU)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+
+
+@functools.cache
+def source_hash() -> str:
+    """A short hash of the kernels' sources: a new kernel invalidates what was measured with the old."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((HERE / name).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def bf16_linear():
@@ -123,7 +144,7 @@ def _module():
     build.mkdir(parents=True, exist_ok=True)
     try:
         module = cpp_extension.load(
-            name="quickdraft_linear", sources=[str(HERE / "linear.cpp"), str(HERE / "blocks.cpp")], build_directory=str(build),
+            name="quickdraft_linear", sources=[str(HERE / name) for name in SOURCES], build_directory=str(build),
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
