@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "tiles.h"
+
 namespace {
 
 // x [M, K] (float32 or bfloat16) -> int8 q [M, K], per 64-chunk the two block scales spread over
@@ -161,36 +163,13 @@ inline void block_i8(const Rows& x, const int8_t* W, const float* WS, const floa
       y.store((m0 + j) * N + n0 + i, _mm512_reduce_add_ps(acc[i][j]) + (B ? B[n0 + i] : 0.0f));
 }
 
-// Tiles of NB weight rows (threads split the tiles), each applied to blocks of MB rows of x: 8 rows
-// at a time share one unpacking of a 2-row weight tile; fewer rows take 4-row tiles. The choice
-// changes which loads are shared, never the order of any output's sums.
-template <int NB, typename Tile>
-void over_tiles(int64_t M, int64_t N, Tile tile) {
-  const int64_t full = N / NB * NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < full; n0 += NB) tile(std::integral_constant<int, NB>(), M, n0);
-  for (int64_t n0 = full; n0 < N; ++n0) tile(std::integral_constant<int, 1>(), M, n0);
-}
-
-template <typename Block>
-void over_rows(int64_t M, Block block) {
-  int64_t m0 = 0;
-  for (; m0 + 8 <= M; m0 += 8) block(std::integral_constant<int, 8>(), m0);
-  for (; m0 + 4 <= M; m0 += 4) block(std::integral_constant<int, 4>(), m0);
-  switch (M - m0) {
-    case 3: block(std::integral_constant<int, 3>(), m0); break;
-    case 2: block(std::integral_constant<int, 2>(), m0); break;
-    case 1: block(std::integral_constant<int, 1>(), m0); break;
-    default: break;
-  }
-}
-
+// 8 rows of x at a time share one unpacking of a 2-row weight tile; fewer rows take 4-row tiles
 template <typename Tile>
 void dispatch(int64_t M, int64_t N, Tile tile) {
   if (M >= 8) {
-    over_tiles<2>(M, N, tile);
+    over_tiles<2>(N, tile);
   } else {
-    over_tiles<4>(M, N, tile);
+    over_tiles<4>(N, tile);
   }
 }
 
@@ -227,9 +206,10 @@ torch::Tensor linear_u4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
   const float* WS = scale.data_ptr<float>();
   const float* WM = min.data_ptr<float>();
   const float* B = bias_ptr(bias, b32);
-  dispatch(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
+  const int64_t M = x.size(0);
+  dispatch(M, N, [&](auto nb, int64_t n0) {
     constexpr int NB = decltype(nb)::value;
-    over_rows(M, [&](auto mb, int64_t m0) { block_u4<decltype(mb)::value, NB>(rows, W, WS, WM, B, y, N, m0, n0); });
+    over_rows<8>(M, [&](auto mb, int64_t m0) { block_u4<decltype(mb)::value, NB>(rows, W, WS, WM, B, y, N, m0, n0); });
   });
   return out;
 }
@@ -246,9 +226,10 @@ torch::Tensor linear_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c
   const int8_t* W = w.data_ptr<int8_t>();
   const float* WS = scale.data_ptr<float>();
   const float* B = bias_ptr(bias, b32);
-  dispatch(x.size(0), N, [&](auto nb, int64_t M, int64_t n0) {
+  const int64_t M = x.size(0);
+  dispatch(M, N, [&](auto nb, int64_t n0) {
     constexpr int NB = decltype(nb)::value;
-    over_rows(M, [&](auto mb, int64_t m0) { block_i8<decltype(mb)::value, NB>(rows, W, WS, B, y, N, m0, n0); });
+    over_rows<8>(M, [&](auto mb, int64_t m0) { block_i8<decltype(mb)::value, NB>(rows, W, WS, B, y, N, m0, n0); });
   });
   return out;
 }

@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #include <cstring>
 
+#include "tiles.h"
+
 namespace {
 
 inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
@@ -45,19 +47,6 @@ inline void block(const uint16_t* X, const uint16_t* W, const float* B, uint16_t
     }
 }
 
-template <int NB>
-inline void rows(const uint16_t* X, const uint16_t* W, const float* B, uint16_t* Y, int64_t M, int64_t K,
-                 int64_t N, int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= M; m0 += 4) block<4, NB>(X, W, B, Y, K, N, m0, n0);
-  switch (M - m0) {
-    case 3: block<3, NB>(X, W, B, Y, K, N, m0, n0); break;
-    case 2: block<2, NB>(X, W, B, Y, K, N, m0, n0); break;
-    case 1: block<1, NB>(X, W, B, Y, K, N, m0, n0); break;
-    default: break;
-  }
-}
-
 // int8 weights (one scale per output row) times int8 activations (one scale per row of x), for
 // draft models: a quarter of float32's bytes, half of bfloat16's, and one vpdpbusd per 64 weights
 // (widening int8 weights to float32 in registers instead was measured compute-bound at ~14 GB/s).
@@ -87,19 +76,6 @@ inline void block_w8(const uint8_t* X, const int8_t* W, const float* XS, const f
     }
 }
 
-template <int NB>
-inline void rows_w8(const uint8_t* X, const int8_t* W, const float* XS, const float* WS, const int32_t* WSUM,
-                    const float* B, uint16_t* Y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= M; m0 += 4) block_w8<4, NB>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0);
-  switch (M - m0) {
-    case 3: block_w8<3, NB>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0); break;
-    case 2: block_w8<2, NB>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0); break;
-    case 1: block_w8<1, NB>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0); break;
-    default: break;
-  }
-}
-
 // float32 x [M, K] times float32 w [N, K], for float32 models (the exact-comparison dtype of the
 // losslessness tests). torch's float32 matmul is not batch invariant and how it fails depends on
 // the CPU: MKL picks another kernel for rows 13 and up on an Intel Xeon with AMX, and for 1..3
@@ -123,19 +99,6 @@ inline void block_f32(const float* X, const float* W, const float* B, float* Y, 
   }
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) Y[(m0 + j) * N + n0 + i] = _mm512_reduce_add_ps(acc[i][j]) + (B ? B[n0 + i] : 0.0f);
-}
-
-template <int NB>
-inline void rows_f32(const float* X, const float* W, const float* B, float* Y, int64_t M, int64_t K, int64_t N,
-                     int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= M; m0 += 4) block_f32<4, NB>(X, W, B, Y, K, N, m0, n0);
-  switch (M - m0) {
-    case 3: block_f32<3, NB>(X, W, B, Y, K, N, m0, n0); break;
-    case 2: block_f32<2, NB>(X, W, B, Y, K, N, m0, n0); break;
-    case 1: block_f32<1, NB>(X, W, B, Y, K, N, m0, n0); break;
-    default: break;
-  }
 }
 
 // x [M, K] bfloat16 -> q + 128 as bytes, with one symmetric scale per row.
@@ -174,10 +137,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* W = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t full = N / 4 * 4;
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < full; n0 += 4) rows<4>(X, W, B, Y, M, K, N, n0);
-  for (int64_t n0 = full; n0 < N; ++n0) rows<1>(X, W, B, Y, M, K, N, n0);
+  over_tiles<4>(N, [&](auto nb, int64_t n0) {
+    over_rows<4>(M, [&](auto mb, int64_t m0) { block<decltype(mb)::value, decltype(nb)::value>(X, W, B, Y, K, N, m0, n0); });
+  });
   return y;
 }
 
@@ -194,10 +156,11 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   const float* X = x.data_ptr<float>();
   const float* W = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  const int64_t full = N / 4 * 4;
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < full; n0 += 4) rows_f32<4>(X, W, B, Y, M, K, N, n0);
-  for (int64_t n0 = full; n0 < N; ++n0) rows_f32<1>(X, W, B, Y, M, K, N, n0);
+  over_tiles<4>(N, [&](auto nb, int64_t n0) {
+    over_rows<4>(M, [&](auto mb, int64_t m0) {
+      block_f32<decltype(mb)::value, decltype(nb)::value>(X, W, B, Y, K, N, m0, n0);
+    });
+  });
   return y;
 }
 
@@ -222,10 +185,11 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
   const float* WS = scale.data_ptr<float>();
   const int32_t* WSUM = wsum.data_ptr<int32_t>();
   auto* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t full = N / 4 * 4;
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < full; n0 += 4) rows_w8<4>(X, W, XS, WS, WSUM, B, Y, M, K, N, n0);
-  for (int64_t n0 = full; n0 < N; ++n0) rows_w8<1>(X, W, XS, WS, WSUM, B, Y, M, K, N, n0);
+  over_tiles<4>(N, [&](auto nb, int64_t n0) {
+    over_rows<4>(M, [&](auto mb, int64_t m0) {
+      block_w8<decltype(mb)::value, decltype(nb)::value>(X, W, XS, WS, WSUM, B, Y, K, N, m0, n0);
+    });
+  });
   return y;
 }
 
