@@ -1,13 +1,14 @@
 """Hand-written CPU kernels, compiled on first use with torch's C++ extension loader and cached
-under ``$QUICKDRAFT_CACHE/extensions``: a bfloat16 and a float32 linear for the decoder, and an
-int8 linear (int8 weights and activations, W8A8) for draft models. Each has a plain torch fallback:
+under ``$QUICKDRAFT_CACHE/extensions``: a bfloat16 and a float32 linear for the decoder, an int8
+linear (int8 weights and activations, W8A8) for draft models (linear.cpp), and linears over GGUF
+block weights as stored (blocks.cpp, models/ggml.py). Each has a plain torch fallback:
 where the CPU lacks the instructions, the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the
 getters return None and the caller uses torch.
 
-The kernels are batch invariant by construction (see linear.cpp); torch's matmul is not, and how
+The kernels are batch invariant by construction (see linear.cpp, tiles.h); torch's matmul is not, and how
 it fails depends on the CPU and its BLAS (MKL picks another float32 kernel for 13 rows and up on
 an Intel Xeon with AMX, and for 1..3 tail rows on an AMD EPYC; cuBLAS picks by shape).
-``invariance(dtype, device)`` says which path a linear takes, and whether that path promises it.
+``invariance(dtype, device, blocks)`` says which path a linear takes, and whether that path promises it.
 """
 
 from __future__ import annotations
