@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.models.kernels import _cpu_has, bf16_linear, int8_linear
+from quickdraft.models.kernels import ISA, _cpu_has, bf16_linear, int8_linear
 from quickdraft.models.quant import Int8Weight, int8_matmul
 
-HAS_ISA = _cpu_has("avx512f", "avx512_bf16", "avx512bw", "avx512_vnni")
+HAS_ISA = _cpu_has(*ISA)  # the instructions the kernels are built for
 
 
 def test_kernels_build_where_the_cpu_can_run_them():

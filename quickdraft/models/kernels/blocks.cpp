@@ -181,20 +181,40 @@ void dispatch(int64_t M, int64_t N, Tile tile) {
   }
 }
 
-void prepare(const torch::Tensor& x, int64_t K, torch::Tensor& q, torch::Tensor& xh, torch::Tensor& qs, float odd) {
+// What both block linears set up for a call: x quantized (``odd``: see quantize_blocks), the output
+// in x's dtype, the bias in float32. The tensors own the memory the pointers read.
+struct Pass {
+  torch::Tensor q, xh, qs, out, b32;
+  Rows rows;
+  Out y;
+  const float* B;
+  int64_t M;
+};
+
+Pass begin(const torch::Tensor& x, int64_t K, int64_t N, float odd, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 64 == 0, "x [M, K] with K a multiple of 64");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
-  const int64_t M = x.size(0);
-  q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  xh = torch::empty({M, K / 4}, x.options().dtype(torch::kFloat32));
-  qs = torch::empty({M, K / 32}, x.options().dtype(torch::kFloat32));
-  quantize_blocks(x, q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), odd);
+  Pass p;
+  p.M = x.size(0);
+  p.q = torch::empty({p.M, K}, x.options().dtype(torch::kInt8));
+  p.xh = torch::empty({p.M, K / 4}, x.options().dtype(torch::kFloat32));
+  p.qs = torch::empty({p.M, K / 32}, x.options().dtype(torch::kFloat32));
+  quantize_blocks(x, p.q.data_ptr<int8_t>(), p.xh.data_ptr<float>(), p.qs.data_ptr<float>(), odd);
+  p.out = torch::empty({p.M, N}, x.options());
+  p.rows = Rows{p.q.data_ptr<int8_t>(), p.xh.data_ptr<float>(), p.qs.data_ptr<float>(), K};
+  p.y = Out{p.out.data_ptr(), x.scalar_type() == torch::kFloat32};
+  p.B = nullptr;
+  if (bias.has_value()) {
+    p.b32 = bias->to(torch::kFloat32).contiguous();
+    p.B = p.b32.data_ptr<float>();
+  }
+  return p;
 }
 
-const float* bias_ptr(const c10::optional<torch::Tensor>& bias, torch::Tensor& b32) {
-  if (!bias.has_value()) return nullptr;
-  b32 = bias->to(torch::kFloat32).contiguous();
-  return b32.data_ptr<float>();
+// block(mb, nb, m0, n0) over every row block and weight tile of the pass
+template <typename Block>
+void run(const Pass& p, int64_t N, Block block) {
+  dispatch(p.M, N, [&](auto nb, int64_t n0) { over_rows<8>(p.M, [&](auto mb, int64_t m0) { block(mb, nb, m0, n0); }); });
 }
 
 }  // namespace
@@ -205,39 +225,25 @@ torch::Tensor linear_u4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
                   min.scalar_type() == torch::kFloat32, "w uint8, scale and min float32");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && min.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = w.size(1) * 2;
-  torch::Tensor q, xh, qs, b32;
-  prepare(x, K, q, xh, qs, 1.0f / 16);
-  auto out = torch::empty({x.size(0), N}, x.options());
-  const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
-  const Rows rows{q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), K};
+  const Pass p = begin(x, K, N, 1.0f / 16, bias);
   const uint8_t* W = w.data_ptr<uint8_t>();
   const float* WS = scale.data_ptr<float>();
   const float* WM = min.data_ptr<float>();
-  const float* B = bias_ptr(bias, b32);
-  const int64_t M = x.size(0);
-  dispatch(M, N, [&](auto nb, int64_t n0) {
-    constexpr int NB = decltype(nb)::value;
-    over_rows<8>(M, [&](auto mb, int64_t m0) { block_u4<decltype(mb)::value, NB>(rows, W, WS, WM, B, y, N, m0, n0); });
+  run(p, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
+    block_u4<decltype(mb)::value, decltype(nb)::value>(p.rows, W, WS, WM, p.B, p.y, N, m0, n0);
   });
-  return out;
+  return p.out;
 }
 
 torch::Tensor linear_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(w.scalar_type() == torch::kInt8 && scale.scalar_type() == torch::kFloat32, "w int8, scale float32");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "contiguous weights");
   const int64_t N = w.size(0), K = w.size(1);
-  torch::Tensor q, xh, qs, b32;
-  prepare(x, K, q, xh, qs, 1.0f);
-  auto out = torch::empty({x.size(0), N}, x.options());
-  const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
-  const Rows rows{q.data_ptr<int8_t>(), xh.data_ptr<float>(), qs.data_ptr<float>(), K};
+  const Pass p = begin(x, K, N, 1.0f, bias);
   const int8_t* W = w.data_ptr<int8_t>();
   const float* WS = scale.data_ptr<float>();
-  const float* B = bias_ptr(bias, b32);
-  const int64_t M = x.size(0);
-  dispatch(M, N, [&](auto nb, int64_t n0) {
-    constexpr int NB = decltype(nb)::value;
-    over_rows<8>(M, [&](auto mb, int64_t m0) { block_i8<decltype(mb)::value, NB>(rows, W, WS, B, y, N, m0, n0); });
+  run(p, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
+    block_i8<decltype(mb)::value, decltype(nb)::value>(p.rows, W, WS, p.B, p.y, N, m0, n0);
   });
-  return out;
+  return p.out;
 }
