@@ -1,6 +1,7 @@
 """``quickdraft bench``: methods x settings against ``none`` on real prompt sets, peers beside them.
 
     quickdraft bench --suite quick --out bench-out/quick
+    quickdraft bench accuracy --model qwen2.5-coder-1.5b-instruct --limit 10   # bench/accuracy.py
     quickdraft bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
         --methods none,ngram,draft_model --num-speculative-tokens 2,4,6,8 --datasets humaneval,mtbench \\
         --limit 10 --max-tokens 128 --out bench-out/mine
@@ -83,6 +84,10 @@ def register(subparsers) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--out", help="write results.json, report.md and PNG plots into this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # `quickdraft bench accuracy ...`: its own flags, after the word (plain `quickdraft bench` is unchanged)
+    from quickdraft.bench import accuracy
+
+    accuracy.register(p.add_subparsers(dest="bench_command", metavar="{accuracy}"))
 
 
 def _ints(value: str, flag: str) -> list[int]:
