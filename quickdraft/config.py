@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from quickdraft.errors import ConfigError
 
 METHODS = ("none", "ngram", "draft_model")
+DEFAULT_DRAFT_VOCAB_SIZE: int | None = None  # decided in README, "Truncated draft vocabulary"
+MIN_DRAFT_VOCAB_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,14 @@ class SpeculativeConfig:
     # "auto": int8 where the int8 CPU kernel runs and the engine is bfloat16. Measured here (6
     # HumanEval prompts, Qwen pair, K = 8): 1.49x bfloat16 draft -> 1.79x int8, 5.68 -> 5.58 tokens/pass.
     quantization: str | None = "auto"
+    # draft_model: the draft's output head scores only this many tokens, the most frequent in a
+    # local corpus (the standard library's sources, never a benchmark's prompts; counted once per
+    # machine and tokenizer, proposers/draft_vocab.py). Its q is zero elsewhere, which the
+    # verifier's rule makes exact: only the speed changes. None: the whole vocabulary.
+    draft_vocab_size: int | None = DEFAULT_DRAFT_VOCAB_SIZE
+    # draft_model: a file of token ids (a JSON list, or one id a line) to use as the draft's
+    # vocabulary instead of the counted one; special and end-of-text tokens are always added.
+    draft_vocab_file: str | None = None
     # Choose each sequence's K every step, up to num_speculative_tokens, to maximize expected
     # tokens per second from a cost model the engine calibrates at start-up and refits as it runs
     # (engine/cost.py): a sequence whose drafts keep failing decodes plainly, and a batch large
@@ -68,6 +78,13 @@ class SpeculativeConfig:
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}", "adaptive")
         if not isinstance(self.probe_interval, int) or self.probe_interval < 1:
             raise ConfigError(f"probe_interval must be an integer >= 1, got {self.probe_interval!r}", "probe_interval")
+        n = self.draft_vocab_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < MIN_DRAFT_VOCAB_SIZE):
+            raise ConfigError(f"draft_vocab_size must be null (the whole vocabulary) or an integer >= "
+                              f"{MIN_DRAFT_VOCAB_SIZE}, got {n!r}", "draft_vocab_size")
+        f = self.draft_vocab_file
+        if f is not None and (not isinstance(f, str) or not f):
+            raise ConfigError(f"draft_vocab_file must be a path to a file of token ids, got {f!r}", "draft_vocab_file")
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {b!r}", "disable_by_batch_size")

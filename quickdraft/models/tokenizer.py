@@ -11,6 +11,7 @@ tokens (type 4, e.g. ``<tool_call>``) are matched whole too but are ordinary tex
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 from collections.abc import Mapping, Sequence
@@ -230,6 +231,20 @@ class Tokenizer:
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, as ``encode`` gives them but without a BOS id (the Rust
+        library spreads the batch over threads)."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def fingerprint(self) -> str:
+        """sha256 of what maps text to ids: the vocabulary, merges, added tokens, eos and bos."""
+        parts = [self._tok.to_str(), json.dumps([self.bos_token_id, list(self.eos_token_ids), self.add_bos_token])]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+    def added_token_ids(self) -> list[int]:
+        """Ids of the added tokens: control tokens (``<|im_start|>``) and user-defined ones."""
+        return sorted(self._tok.get_added_tokens_decoder())
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

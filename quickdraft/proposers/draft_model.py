@@ -8,13 +8,18 @@ the sequence's tokens whose keys are in the draft cache; a pass feeds it everyth
 after a rejection (or after the bonus token) the draft catches up in the first pass of the next
 proposal, with no copy and no recomputation of what it already holds.
 
-Two options trade nothing but speed: ``draft_confidence_threshold`` ends a sequence's draft early
-once the draft's own probability of its token drops below it, and ``quantization`` runs the draft
-in int8 (models/quant.py). Neither can change the output: only the target's verification decides.
+Three options trade nothing but speed: ``draft_confidence_threshold`` ends a sequence's draft
+early once the draft's own probability of its token drops below it, ``quantization`` runs the
+draft in int8 (models/quant.py), and ``draft_vocab_size`` (or ``draft_vocab_file``) truncates the
+draft's output head to a subset of the vocabulary (proposers/draft_vocab.py): the draft's logits,
+argmax and q are over the subset, mapped back to full ids, and q is handed on as the full-vocabulary
+distribution it is, zero outside the subset. None of them can change the output: only the
+target's verification decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -25,6 +30,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.quant import quantizable
+from quickdraft.proposers import draft_vocab
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
@@ -37,8 +43,12 @@ MAX_OBSERVED_FEED = 8
 @register("draft_model")
 class DraftModelProposer:
     def __init__(self, draft: Decoder, num_slots: int, max_len: int, confidence_threshold: float = 0.0,
-                 calibrate_cost: bool = False):
+                 calibrate_cost: bool = False, head_ids: torch.Tensor | None = None):
+        """``head_ids`` [N] int64: the full-vocabulary id of each row of ``draft``'s output head when
+        the head is truncated (``truncated_head``); None: the head has every row."""
         self.model = draft
+        self.vocab_size = draft.config.vocab_size
+        self.head_ids = None if head_ids is None else head_ids.to(draft.device)
         self.threshold = confidence_threshold
         self.kv = KVCache(draft.config, num_slots, max_len, draft.dtype, draft.device)
         self._cached = [0] * num_slots
@@ -53,8 +63,10 @@ class DraftModelProposer:
         stored = any(isinstance(w, BlockWeight) for w in draft.weights.values())
         if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
             quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
-        return cls(Decoder(draft.config, draft.weights, quantize=quantize), ctx.num_slots,
-                   ctx.max_model_len, spec.draft_confidence_threshold, calibrate_cost=spec.adaptive)
+        head_ids = draft_vocab.resolve(spec, draft)
+        config, weights = (draft.config, draft.weights) if head_ids is None else truncated_head(draft, head_ids)
+        return cls(Decoder(config, weights, quantize=quantize), ctx.num_slots, ctx.max_model_len,
+                   spec.draft_confidence_threshold, calibrate_cost=spec.adaptive, head_ids=head_ids)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)  # shortened below where the draft loses confidence
@@ -72,9 +84,10 @@ class DraftModelProposer:
             if timed:
                 rows = sum(len(feed[i]) for i in active)
                 keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
-            logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), V]
-            tokens, q = self._sample([seqs[i] for i in active], logits, sampled)
+            logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), N]
+            tokens, q = self._sample([seqs[i] for i in active], logits, sampled)  # rows of the head
             confident = self._confident(logits, tokens)  # [len(active)] bool
+            tokens, q = to_vocab(tokens, q, self.head_ids, self.vocab_size)  # ids [len(active)], q [len(active), V]
             tokens = tokens.tolist()
             if timed:
                 self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
@@ -102,14 +115,13 @@ class DraftModelProposer:
         return self.model.logits(hidden[last.to(hidden.device)])
 
     def _sample(self, seqs, logits, sampled: bool):
-        """-> token ids [n], and q [n, V] when any sequence of the batch samples."""
+        """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
+        batch samples (the request's temperature, top-k and top-p shape the head's N logits)."""
         if not sampled:
             return logits.argmax(-1), None
         batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
-        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
         uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
-        tokens = torch.where(batch.greedy, logits.argmax(-1), sample_from_probs(q, uniforms))
-        return tokens, q
+        return sample_draft(logits, batch, uniforms)
 
     def _confident(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[bool]:
         """[n] whether the draft's probability of its own token (at temperature 1) clears the
@@ -130,6 +142,35 @@ class DraftModelProposer:
 
     def release(self, seq) -> None:
         self._cached[seq.slot] = 0
+
+
+def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Tensor):
+    """logits [n, N] over the head's rows, the rows' sampling parameters [n] and uniforms [n]
+    -> rows [n] (the argmax for greedy rows) and the q [n, N] they were drawn from."""
+    q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+    return torch.where(batch.greedy, logits.argmax(-1), sample_from_probs(q, uniforms)), q
+
+
+def to_vocab(rows: torch.Tensor, q: torch.Tensor | None, head_ids: torch.Tensor | None, vocab_size: int):
+    """Head rows [n] and q [n, N] -> full-vocabulary ids [n] and q [n, vocab_size]. With a
+    truncated head (``head_ids`` [N]) q is the distribution the draft sampled from, zero outside the
+    subset, so that the verifier's p/q and max(0, p - q) see exactly what was proposed."""
+    if head_ids is None:
+        return rows, q
+    if q is not None:
+        q = q.new_zeros(q.shape[0], vocab_size).index_copy_(1, head_ids, q)
+    return head_ids[rows], q
+
+
+def truncated_head(draft, ids: torch.Tensor):
+    """(config, weights) of ``draft`` with an output head of only the rows ``ids`` [N]: a dense
+    ``w[ids]`` or a GGUF ``BlockWeight.select(ids)``, chosen once at load. The embedding keeps
+    every row (any token can be read), so a tied head becomes an untied one; int8 quantization,
+    one scale per row, then quantizes the N rows alone, as selecting rows of the quantized head would."""
+    w = dict(draft.weights)
+    head = w["model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"]
+    w["lm_head.weight"] = head.select(ids) if isinstance(head, BlockWeight) else head[ids].contiguous()
+    return dataclasses.replace(draft.config, tie_word_embeddings=False), w
 
 
 def check_same_vocabulary(target, draft) -> None:

@@ -8,11 +8,16 @@ from position 1. The joint of the first two emitted tokens must match p_0(a) * p
 first token alone p_0, by a chi-square test (p-value > 1e-4). The same test must reject
 deliberately wrong rules (p-value < 1e-4; they run on N / 4, and still score p-values that
 underflow to 0), which shows that it has the power to catch a bug.
+
+A truncated draft vocabulary (proposers/draft_vocab.py) runs through the same test: the draft
+scores only a subset of the tokens, samples with the draft_model proposer's own functions, and
+hands on q over the whole vocabulary with zeros outside the subset.
 """
 
 import pytest
 import torch
 
+from quickdraft.proposers.draft_model import sample_draft, to_vocab
 from quickdraft.sampling import BatchSampling, SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
 from quickdraft.verify import rejection, verify
 
@@ -36,13 +41,31 @@ def shaped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
 
 
+def truncated_draft(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, subset: torch.Tensor,
+                    full_q: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft_model proposer's sampling over a truncated head: logits [n, V] -> tokens [n] and
+    q [n, V]. ``full_q``: the bug of handing on the untruncated distribution instead."""
+    n = logits.shape[0]
+    batch = BatchSampling.from_params([params]).select(torch.zeros(n, dtype=torch.int64))
+    rows, q = sample_draft(logits[:, subset], batch, draw_uniforms(gen, n))
+    tokens, q = to_vocab(rows, q, subset, V)
+    return tokens, shaped(logits, params) if full_q else q
+
+
 def speculative_step(pos: int, prev: torch.Tensor, params: SamplingParams, gen: torch.Generator,
-                     point_mass: bool, pass_q: bool = True) -> list[list[int]]:
-    """One verify step for len(prev) sequences at position ``pos`` after tokens ``prev`` [n]."""
+                     point_mass: bool, pass_q: bool = True, subset: torch.Tensor | None = None,
+                     full_q: bool = False) -> list[list[int]]:
+    """One verify step for len(prev) sequences at position ``pos`` after tokens ``prev`` [n];
+    ``subset``: the draft's truncated vocabulary."""
     n = prev.shape[0]
     ctx, target_rows, q_rows, draft = prev, [], [], []
     for j in range(K):
         target_rows.append(TARGET[pos + j][ctx])  # [n, V]
+        if subset is not None:
+            ctx, q = truncated_draft(DRAFT[pos + j][ctx], params, gen, subset, full_q)  # [n], [n, V]
+            q_rows.append(q)
+            draft.append(ctx)
+            continue
         q = shaped(DRAFT[pos + j][ctx], params)  # [n, V]
         # Point-mass drafts guess deterministically, like an n-gram lookup.
         ctx = q.argmax(-1) if point_mass else sample_from_probs(q, draw_uniforms(gen, n))  # [n]
@@ -61,14 +84,15 @@ def speculative_step(pos: int, prev: torch.Tensor, params: SamplingParams, gen: 
 
 
 def first_two_tokens(params: SamplingParams, point_mass: bool, seed: int, n: int = N,
-                     pass_q: bool = True) -> torch.Tensor:
-    """The first two emitted tokens [n, 2] of n independent generations."""
+                     pass_q: bool = True, **draft) -> torch.Tensor:
+    """The first two emitted tokens [n, 2] of n independent generations (``draft``: the subset
+    options of ``speculative_step``)."""
     gen = torch.Generator().manual_seed(seed)
-    step1 = speculative_step(0, torch.zeros(n, dtype=torch.int64), params, gen, point_mass, pass_q)
+    step1 = speculative_step(0, torch.zeros(n, dtype=torch.int64), params, gen, point_mass, pass_q, **draft)
     first = torch.tensor([t[0] for t in step1])
     second = torch.tensor([t[1] if len(t) > 1 else -1 for t in step1])
     again = (second < 0).nonzero().squeeze(1)
-    step2 = speculative_step(1, first[again], params, gen, point_mass, pass_q)
+    step2 = speculative_step(1, first[again], params, gen, point_mass, pass_q, **draft)
     second[again] = torch.tensor([t[0] for t in step2], dtype=torch.int64)
     return torch.stack([first, second], 1)
 
@@ -156,3 +180,30 @@ def test_wrong_rules_are_detected(monkeypatch, name):
     tokens = first_two_tokens(params, point_mass, seed=20, n=N // 4)
     p_first, p_joint = pvalues(tokens, params)
     assert min(p_first, p_joint) < ALPHA, (name, p_first, p_joint)
+
+
+# Tokens 2, 5 and 7 are outside the draft's vocabulary: the target gives them mass at every
+# position, so they can only come from recoveries and bonus tokens.
+SUBSET = torch.tensor([0, 1, 3, 4, 6])
+TRUNCATED = {
+    "truncated draft vocabulary": SamplingParams(temperature=1.0),
+    "truncated, top-k, top-p, temperature": SamplingParams(temperature=0.8, top_k=3, top_p=0.85),
+}
+
+
+@pytest.mark.parametrize("name", list(TRUNCATED))
+def test_truncated_draft_vocabulary_follows_the_target(name):
+    params = TRUNCATED[name]
+    tokens = first_two_tokens(params, False, seed=40, n=N // 2, subset=SUBSET)
+    p_first, p_joint = pvalues(tokens, params)
+    assert p_first > ALPHA and p_joint > ALPHA, (name, p_first, p_joint)
+    outside = ~torch.isin(tokens, SUBSET)
+    assert outside.any()  # the target's tokens outside the subset are emitted
+
+
+def test_truncated_draft_with_untruncated_q_is_detected():
+    """Sampling from the subset but handing on the draft's full-vocabulary q is wrong: the test sees it."""
+    params = TRUNCATED["truncated draft vocabulary"]
+    tokens = first_two_tokens(params, False, seed=50, n=N // 4, subset=SUBSET, full_q=True)
+    p_first, p_joint = pvalues(tokens, params)
+    assert min(p_first, p_joint) < ALPHA, (p_first, p_joint)
