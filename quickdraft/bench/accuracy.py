@@ -179,15 +179,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def agreement(a: list[list[int] | None], b: list[list[int] | None]) -> dict:
     """Outputs of two engines on the same prompts (None: that engine gave none) -> identical
     count and mean common prefix over the prompts both answered."""
-    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
-    if not pairs:
+    both = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    if not both:
         return {"n": 0, "identical": 0, "fraction_identical": None, "mean_common_prefix": None}
-    prefix = [common_prefix(x, y) for x, y in pairs]
-    return {"n": len(pairs), "identical": sum(x == y for x, y in pairs),
-            "fraction_identical": sum(x == y for x, y in pairs) / len(pairs),
-            "mean_common_prefix": sum(prefix) / len(pairs), "common_prefix": prefix,
-            "mean_length_a": sum(len(x) for x, _ in pairs) / len(pairs),
-            "mean_length_b": sum(len(y) for _, y in pairs) / len(pairs)}
+    n, same = len(both), sum(x == y for x, y in both)
+    prefix = [common_prefix(x, y) for x, y in both]
+    return {"n": n, "identical": same, "fraction_identical": same / n, "mean_common_prefix": sum(prefix) / n,
+            "common_prefix": prefix, "mean_length_a": sum(len(x) for x, _ in both) / n,
+            "mean_length_b": sum(len(y) for _, y in both) / n}
 
 
 def quickdraft_outputs(model, dtype: str, device: str, prompts: list[list[int]], max_tokens: int,
@@ -212,10 +211,12 @@ def llama_cpp_plain(spec: dict):
 
 
 def llama_cpp_outputs(source: str, prompts: list[list[int]], max_tokens: int, eos: set[int], timeout: float,
-                      n_ctx: int) -> dict:
+                      n_ctx: int, progress: bool = False) -> dict:
     """llama.cpp's greedy outputs on the GGUF file in a child process: {"status", "reason",
     "outputs" (None where it gave none), "system"}; "skipped" when it cannot run here."""
     import os
+
+    from tqdm import tqdm
 
     from quickdraft.bench import peers
 
@@ -229,7 +230,10 @@ def llama_cpp_outputs(source: str, prompts: list[list[int]], max_tokens: int, eo
             "max_tokens": max_tokens, "eos": sorted(eos), "threads": torch.get_num_threads() or os.cpu_count() or 1,
             "n_ctx": n_ctx, "sys_path": [p for p in sys.path if p],
             "requests": [{"id": str(i), "prompt_token_ids": ids} for i, ids in enumerate(prompts)]}
-    status = peers.run_child("llama_cpp", spec, timeout)
+    with tqdm(total=len(prompts), desc="greedy llama_cpp", unit="problem", disable=not progress,
+              dynamic_ncols=True) as bar:
+        status = peers.run_child("llama_cpp", spec, timeout,
+                                 lambda msg: bar.update(1) if msg.get("event") == "request" else None)
     by_id = {r["request"]: r["token_ids"] for r in status["runs"] if r["method"] == "plain"}
     return {"status": status["status"], "reason": peers._note(status), "system": status.get("system", {}),
             "outputs": [by_id.get(str(i)) for i in range(len(prompts))]}
@@ -290,7 +294,8 @@ def run_accuracy(c: AccuracyConfig, progress: bool = True) -> dict:
         lap("greedy_quickdraft_s")
         llama = {"status": "skipped", "reason": "--no-llama-cpp", "outputs": [None] * len(prompts)}
         if c.llama_cpp:
-            llama = llama_cpp_outputs(source, prompts, c.max_tokens, eos, c.peer_timeout, c.max_model_len)
+            llama = llama_cpp_outputs(source, prompts, c.max_tokens, eos, c.peer_timeout, c.max_model_len,
+                                      progress)
         if llama["status"] in ("ok", "timed_out", "crashed", "error") and any(o is not None for o in llama["outputs"]):
             outputs["llama_cpp"] = llama["outputs"]
         lap("greedy_llama_cpp_s")
