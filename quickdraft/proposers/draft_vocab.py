@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -170,9 +171,10 @@ def resolve(spec, model) -> torch.Tensor | None:
     if spec.draft_vocab_file is not None:
         ids = read_id_file(spec.draft_vocab_file, model.tokenizer, model.config)
     elif spec.draft_vocab_size is not None and spec.draft_vocab_size < model.config.vocab_size:
-        if model.tokenizer is None:
-            raise ConfigError("draft_vocab_size needs the draft's tokenizer to count token frequencies; this "
-                              "model has none: give draft_vocab_file instead", "draft_vocab_size")
+        if model.tokenizer is None:  # only a model built in code has none; the size may be the default
+            warnings.warn(f"draft_vocab_size: {model.source} has no tokenizer to count token frequencies with; "
+                          "the draft keeps its whole output head (give draft_vocab_file to truncate it)", stacklevel=2)
+            return None
         ids = frequent_ids(model.tokenizer, model.config, spec.draft_vocab_size)
     else:
         return None

@@ -144,3 +144,16 @@ def test_count_tokens_counts_every_file(tiny, corpus):
     assert counts.shape == (260,) and counts[a] == 7 and counts.sum() == sum(
         len(tiny.tokenizer.encode(f.read_text())) for f in corpus)
     assert counts.dtype == np.int64 and torch.tensor(counts).sum() > 0
+
+
+def test_without_a_tokenizer_the_head_stays_whole():
+    """Only a model built in code has no tokenizer; the default size must not fail it."""
+    from quickdraft.models.loader import LoadedModel
+    from quickdraft.models.tiny import tiny_config
+
+    model = LoadedModel(tiny_config(vocab_size=300), {}, None, "tiny")
+    spec = SpeculativeConfig(method="draft_model", model="x")
+    assert spec.draft_vocab_size == 65536
+    assert draft_vocab.resolve(spec, model) is None  # 300 rows: the default covers them
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        assert draft_vocab.resolve(SpeculativeConfig(method="draft_model", model="x", draft_vocab_size=256), model) is None
