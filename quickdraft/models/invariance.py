@@ -52,7 +52,7 @@ def probe_linear(name: str, weight, bias, dtype: torch.dtype, path: str, max_row
     """``linear`` on 1..max_rows rows against each row computed alone, bit for bit."""
     start = time.perf_counter()
     out_features, in_features = weight.shape
-    device = weight.device if isinstance(weight, torch.Tensor) else weight.q.device
+    device = weight.q.device if isinstance(weight, Int8Weight) else weight.device
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(max_rows, in_features, generator=g).to(device=device, dtype=dtype)  # [max_rows, in]
     alone = torch.cat([linear(x[r : r + 1], weight, bias) for r in range(max_rows)])  # [max_rows, out]

@@ -37,19 +37,24 @@ def gguf_reference(kind: str, raw: np.ndarray, shape) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
-@pytest.fixture(params=sorted(BLOCKS))
+# (72, 768): three K-quant super-blocks a row, so 24 blocks of 32 (a group of 16 and a tail group
+# of 8) or 48 of 16 (Q6_K: three groups); 72 rows: 18 weight tiles of 4. (6, 160): a row of 5
+# blocks, all in one tail group, and a tile of 4 plus 2 rows alone.
+SHAPES = [(kind, (72, 768)) for kind in sorted(BLOCKS)] + [(kind, (6, 160)) for kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0")]
+
+
+@pytest.fixture(params=SHAPES, ids=[f"{k}-{s[0]}x{s[1]}" for k, s in SHAPES])
 def weight(request):
-    kind = request.param
-    shape = (72, 512)  # 512: two K-quant super-blocks a row; 72 rows: 18 tiles of 4
+    kind, shape = request.param
     raw = random_blocks(kind, *shape)
     return kind, BlockWeight.from_gguf(kind, raw, shape), gguf_reference(kind, raw, shape)
 
 
 def test_repacked_values_dequantize_exactly(weight):
     kind, w, ref = weight
-    assert w.shape == ref.shape and w.layout in ("u4", "i8")
+    assert w.shape == ref.shape and w.format.bits in (4, 8)
     assert torch.equal(w.dequantize(torch.float32), ref)
-    rows = torch.tensor([5, 0, 71])
+    rows = torch.tensor([5, 0, w.shape[0] - 1])
     assert torch.equal(w.dequantize(torch.float32, rows=rows), ref[rows])
 
 

@@ -142,7 +142,8 @@ def _module():
         return None
     from torch.utils import cpp_extension
 
-    build = cache_dir() / "extensions" / f"torch-{torch.__version__}"
+    # one build directory per source version: two checkouts (or an upgrade) never rebuild over each other
+    build = cache_dir() / "extensions" / f"torch-{torch.__version__}-{source_hash()}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         module = cpp_extension.load(

@@ -1,19 +1,29 @@
-// y = x @ w.T (+ b) with w in a GGUF block format, repacked at load (models/ggml.py) into one of
-// two layouts, and x quantized to int8 in blocks of 32 (one scale per block, as ggml's Q8_0):
+// y = x @ w.T (+ b) with w in a GGUF block format, repacked at load (models/ggml.py, where the
+// layout is written and read back) and x quantized to int8 per block inside the call.
 //
-//   u4: 4-bit unsigned values, two per byte, one float scale and one float min per 32 weights:
-//       w = scale * q - min. Holds Q4_0, Q4_1 and Q4_K exactly (the K-quant's 6-bit sub-block
-//       scales are multiplied out at load, as ggml's own dequantization does).
-//       Each 64-weight chunk is 32 bytes: byte j = w[j] | w[j + 32] << 4.
-//   i8: int8 values, one float scale per 16 weights: w = scale * q. Holds Q8_0, Q6_K and Q5_0.
+// Layout: each weight row is a run of records, one per group of 16 blocks (the last group may
+// have fewer, g). A block is L weights (32; 16 for Q6_K, whose scales are per 16) with one scale.
+// In a record, lane l of every 64-byte vector belongs to block l of the group: step s holds that
+// block's weights 4s..4s+3 (4 bytes a lane, 4g bytes a vector). So one vpdpbusd adds 4 products
+// of each of 16 blocks into 16 int32 lanes, and a lane's sum is its block's exact integer dot
+// product after L/4 steps. Only then does each lane meet float: one convert and one multiply-add
+// by (weight scale x activation scale) per group of 16 blocks, where a per-block float scale
+// costs that on every 64 weights. The values are unsigned: 4-bit (two steps a byte: step 2p in
+// the low nibble, 2p+1 in the high one) or 8-bit, stored as q + offset; the offset is taken off in
+// the integer domain (each lane starts at -offset * its activation block's sum).
+// After the values, the record holds the group's scales, as compact as the file's:
+//   F16 (Q4_0, Q4_1, Q8_0, Q5_0): a float16 scale a block (Q4_1: and a float16 min);
+//   Q4_K: a 6-bit scale and min a block (one byte each), then d and dmin a super-block (float);
+//   Q6_K: an int8 scale a block, then d (float) for the group (a group is one super-block).
+// Bits a weight: Q4_0 4.5, Q4_1 5, Q4_K 4.75, Q8_0 and Q5_0 8.5, Q6_K 8.625.
 //
-// Written by hand because decoding reads every weight once per step: each weight tile is
-// unpacked once (nibbles split, scales broadcast) and used for every row of the pass, so 8 rows
-// cost little more than one (llama.cpp and torch's int4 path unpack again every row or 4 rows).
+// Written by hand because decoding reads every weight once per step: each weight vector is
+// loaded and unpacked once and used for every row of the pass (llama.cpp and torch's int4 path
+// unpack again every row or every 4 rows).
 //
-// Batch invariant by construction: a 32-block's integer dot product is exact (vpdpbusd), and the
-// blocks are combined into 16 float lanes in k order, then summed the same way, for every row
-// count: the result of (m, n) never depends on the other rows.
+// Batch invariant by construction: a block's integer sum is exact, and for output (m, n) the
+// groups are added into 16 float lanes in k order, then summed the same way, whatever the number
+// of rows or where (m, n) falls in a tile.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <cmath>
@@ -28,48 +38,46 @@ namespace {
 // projections, AMD EPYC: 14.5 GB/s without, 22 GB/s with 4 KiB ahead, of ~45 GB/s)
 constexpr int64_t PREFETCH = 4096;
 
-// x [M, K] (float32 or bfloat16) -> int8 q [M, K], per 64-chunk the two block scales spread over
-// 16 lanes as the kernels use them [M, K/64, 16], and per block the float xs * sum(q) (for the u4
-// layout's min term) [M, K/32]. q = round-half-even(x / s) with s = amax / 127, per block of 32.
-// ``odd``: the factor on the second block's spread scale (1/16 for u4, whose high nibbles are
-// multiplied unshifted, i.e. by 16; a power of two, so the product is exact).
-void quantize_blocks(const torch::Tensor& x, int8_t* Q, float* XH, float* QS, float odd) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const float* X = xf.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (M > 1)
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = X + m * K + b * 32;
-      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-      const __m512 sv = _mm512_set1_ps(s);
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(lo, sv), _MM_FROUND_TO_NEAREST_INT));
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(hi, sv), _MM_FROUND_TO_NEAREST_INT));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(Q + m * K + b * 32), _mm512_cvtepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(Q + m * K + b * 32 + 16), _mm512_cvtepi32_epi8(qhi));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      float* h = XH + (m * nb + b) * 8;  // [m][chunk b / 2][lanes 8 * (b % 2) ..]
-      const float spread = b % 2 ? s * odd : s;
-      for (int t = 0; t < 8; ++t) h[t] = spread;
-      QS[m * nb + b] = s * static_cast<float>(sum);
-    }
+// The formats (the same numbers as models/ggml.py's FORMATS).
+enum Kind { Q4_0 = 0, Q4_1 = 1, Q4_K = 2, Q8_0 = 3, Q5_0 = 4, Q6_K = 5 };
+
+template <int KIND>
+struct Format {
+  static constexpr int L = KIND == Q6_K ? 16 : 32;                     // weights a block
+  static constexpr bool NIBBLES = KIND <= Q4_K;                        // 4-bit values
+  static constexpr int OFFSET = KIND == Q4_0 ? 8 : KIND == Q8_0 ? 128 : KIND == Q5_0 ? 16 : KIND == Q6_K ? 32 : 0;
+  static constexpr bool MIN = KIND == Q4_1 || KIND == Q4_K;            // a float min a block
+  static constexpr int VECTORS = NIBBLES ? L / 8 : L / 4;             // 4g-byte vectors of values
+  // bytes of a record of g blocks
+  static constexpr int64_t values(int g) { return int64_t(VECTORS) * 4 * g; }
+  static constexpr int64_t record(int g) {
+    if (KIND == Q4_K) return values(g) + 2 * g + 2 * 4 * (g / 8);
+    if (KIND == Q6_K) return values(g) + g + 4;
+    return values(g) + 2 * g * (MIN ? 2 : 1);
   }
-}
+};
 
-// two floats, each over 8 lanes: the scales of the two 32-blocks of a 64-weight chunk (one load,
-// one permute)
-inline __m512 halves(const float* s) {
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(pair));
-}
-
-// four floats, each over 4 lanes: the scales of the four 16-blocks of a 64-weight chunk
-inline __m512 quarters(const float* s) {
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(s)));
+// The 16 lanes' scales (and mins) of a record of g blocks, as floats; lanes >= g are 0.
+template <int KIND>
+inline void scales(const uint8_t* rec, int g, __mmask16 mask, __m512& ws, __m512& mn) {
+  using F = Format<KIND>;
+  const uint8_t* s = rec + F::values(g);
+  if constexpr (KIND == Q4_K) {
+    // lanes 0..7 take super-block 0's d (and dmin), lanes 8..15 super-block 1's
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __mmask8 two = g > 8 ? 3 : 1;
+    const float* d = reinterpret_cast<const float*>(s + 2 * g);
+    const __m512 dv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(two, d)));
+    const __m512 mv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(two, d + g / 8)));
+    ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, s))), dv);
+    mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, s + g))), mv);
+  } else if constexpr (KIND == Q6_K) {
+    const float d = *reinterpret_cast<const float*>(s + g);
+    ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, s))), _mm512_set1_ps(d));
+  } else {
+    ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s));
+    if constexpr (F::MIN) mn = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s + 2 * g));
+  }
 }
 
 struct Out {  // y [M, N], float32 or bfloat16 (x's dtype)
@@ -84,166 +92,178 @@ struct Out {  // y [M, N], float32 or bfloat16 (x's dtype)
   }
 };
 
+// x quantized in the weights' block order: per row, per group, the same vectors as a record's
+// values (8-bit, unpacked); and per group 16 lanes of: the block's scale, its starting integer
+// sum (-offset * sum(q)) and, for formats with a min, scale * sum(q).
 struct Rows {
-  const int8_t* q;  // [M, K]
-  const float* xh;  // [M, K/64, 16]: each chunk's two block scales, 8 lanes each
-  const float* qs;  // [M, K/32]
-  int64_t K;
+  const int8_t* q;      // [M, K] (+64 bytes of slack: a tail group's vectors are read whole)
+  const float* xs;      // [M, G, 16]
+  const int32_t* init;  // [M, G, 16]
+  const float* qs;      // [M, G, 16]
+  int64_t K, G;
 };
 
-template <int MB, int NB>
-inline void block_u4(const Rows& x, const uint8_t* W, const float* WS, const float* WM, const float* B,
-                     const Out& y, int64_t N, int64_t m0, int64_t n0) {
-  const int64_t K = x.K, nb = K / 32;
-  __m512 acc[NB][MB];
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8(static_cast<char>(0xf0));
-  // per chunk: unpack the NB weight tiles once (nibbles split, scales spread), then every row
-  for (int64_t c = 0; c < K / 64; ++c) {
-    __m512i w[NB];
-    __m512 ws[NB];
-    for (int i = 0; i < NB; ++i) {
-      const int64_t n = n0 + i;
-      const uint8_t* at = W + n * (K / 2) + c * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH), _MM_HINT_T0);
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-      // the high nibbles stay in place, worth 16x: x's spread scale for them carries the 1/16
-      w[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
-                                _mm256_and_si256(packed, high), 1);
-      ws[i] = halves(WS + n * nb + c * 2);
-    }
-    for (int j = 0; j < MB; ++j) {
-      const __m512i xv = _mm512_loadu_si512(x.q + (m0 + j) * K + c * 64);
-      const __m512 xs = _mm512_loadu_ps(x.xh + (m0 + j) * K / 4 + c * 16);
-      for (int i = 0; i < NB; ++i) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], xv);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[i], xs), acc[i][j]);
+inline int lanes(int64_t blocks, int64_t group) { return static_cast<int>(std::min<int64_t>(16, blocks - group * 16)); }
+
+// q = round-half-even(x / s), s = amax / 127 per block of L
+template <int KIND>
+void quantize(const torch::Tensor& x, int8_t* Q, float* XS, int32_t* INIT, float* QS, int64_t G) {
+  using F = Format<KIND>;
+  constexpr int L = F::L;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / L;
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const float* X = xf.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    std::memset(XS + m * G * 16, 0, G * 16 * sizeof(float));
+    std::memset(INIT + m * G * 16, 0, G * 16 * sizeof(int32_t));
+    std::memset(QS + m * G * 16, 0, G * 16 * sizeof(float));
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = X + m * K + b * L;
+      __m512 v[L / 16];
+      __m512 amax = _mm512_setzero_ps();
+      for (int h = 0; h < L / 16; ++h) {
+        v[h] = _mm512_loadu_ps(xb + 16 * h);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[h]));
       }
-    }
-  }
-  for (int i = 0; i < NB; ++i) {
-    const int64_t n = n0 + i;
-    for (int j = 0; j < MB; ++j) {
-      // the min term, sum over blocks of min * xs * sum(q), in the same 16-lane order
-      __m512 mins = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; b += 16) {
-        const __mmask16 k = nb - b >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (nb - b)) - 1);
-        mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, WM + n * nb + b),
-                               _mm512_maskz_loadu_ps(k, x.qs + (m0 + j) * nb + b), mins);
+      const float a = _mm512_reduce_max_ps(amax);
+      const float s = a > 0.0f ? a / 127.0f : 1.0f;
+      const __m512 sv = _mm512_set1_ps(s);
+      alignas(64) int8_t q[L];
+      __m512i sum = _mm512_setzero_si512();
+      for (int h = 0; h < L / 16; ++h) {
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v[h], sv), _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(qi));
+        sum = _mm512_add_epi32(sum, qi);
       }
-      y.store((m0 + j) * N + n, _mm512_reduce_add_ps(acc[i][j]) - _mm512_reduce_add_ps(mins) + (B ? B[n] : 0.0f));
+      const int64_t group = b / 16, lane = b % 16, g = lanes(nb, group);
+      int8_t* dst = Q + m * K + group * 16 * L + 4 * lane;
+      for (int step = 0; step < L / 4; ++step) std::memcpy(dst + step * 4 * g, q + 4 * step, 4);
+      const int32_t total = _mm512_reduce_add_epi32(sum);
+      XS[(m * G + group) * 16 + lane] = s;
+      INIT[(m * G + group) * 16 + lane] = -F::OFFSET * total;
+      QS[(m * G + group) * 16 + lane] = s * static_cast<float>(total);
     }
   }
 }
 
-template <int MB, int NB>
-inline void block_i8(const Rows& x, const int8_t* W, const float* WS, const float* B, const Out& y,
-                     int64_t N, int64_t m0, int64_t n0) {
-  const int64_t K = x.K, nb = K / 32;
-  __m512 acc[NB][MB];
+template <int KIND, int MB, int NB>
+inline void tile(const Rows& x, const uint8_t* W, int64_t row_bytes, const float* B, const Out& y, int64_t N,
+                 int64_t m0, int64_t n0) {
+  using F = Format<KIND>;
+  const int64_t K = x.K, G = x.G, nb = K / F::L;
+  __m512 f[NB][MB];
   for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128, and each lane starts from
-  // -128 * (the sum of its four weights), computed once per weight tile
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t c = 0; c < K / 64; ++c) {
-    __m512i w[NB], start[NB];
-    __m512 ws[NB];
+    for (int j = 0; j < MB; ++j) f[i][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const int g = lanes(nb, gi);
+    const __mmask16 mask = static_cast<__mmask16>((1u << g) - 1);
+    const int64_t stride = 4 * g;  // bytes a vector
+    const uint8_t* rec[NB];
+    for (int i = 0; i < NB; ++i) rec[i] = W + (n0 + i) * row_bytes + gi * F::record(16);
+    const int8_t* xq[MB];
+    __m512i acc[NB][MB];
+    for (int j = 0; j < MB; ++j) {
+      xq[j] = x.q + (m0 + j) * K + gi * 16 * F::L;
+      const __m512i init = _mm512_loadu_si512(x.init + ((m0 + j) * G + gi) * 16);
+      for (int i = 0; i < NB; ++i) acc[i][j] = init;
+    }
+    // the values: each vector loaded (and its nibbles split) once, then used for every row
+    for (int v = 0; v < F::VECTORS; ++v) {
+      __m512i w[NB], w2[NB];
+      for (int i = 0; i < NB; ++i) {
+        const uint8_t* at = rec[i] + v * stride;
+        _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH), _MM_HINT_T0);
+        const __m512i packed = _mm512_maskz_loadu_epi32(mask, at);
+        if constexpr (F::NIBBLES) {
+          w[i] = _mm512_and_si512(packed, low);
+          w2[i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        } else {
+          w[i] = packed;
+        }
+      }
+      for (int j = 0; j < MB; ++j) {
+        if constexpr (F::NIBBLES) {
+          const __m512i x0 = _mm512_loadu_si512(xq[j] + 2 * v * stride);
+          const __m512i x1 = _mm512_loadu_si512(xq[j] + (2 * v + 1) * stride);
+          for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][j], w[i], x0), w2[i], x1);
+        } else {
+          const __m512i x0 = _mm512_loadu_si512(xq[j] + v * stride);
+          for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], w[i], x0);
+        }
+      }
+    }
+    // each lane's exact block sum meets float once: f += sum * (w scale * x scale) (- min * x scale * sum(q))
+    __m512 ws[NB], mn[NB];
     for (int i = 0; i < NB; ++i) {
-      const int64_t n = n0 + i;
-      _mm_prefetch(reinterpret_cast<const char*>(W + n * K + c * 64 + PREFETCH), _MM_HINT_T0);
-      w[i] = _mm512_loadu_si512(W + n * K + c * 64);
-      start[i] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w[i]));
-      ws[i] = quarters(WS + n * (K / 16) + c * 4);
+      _mm_prefetch(reinterpret_cast<const char*>(rec[i] + F::values(g) + PREFETCH), _MM_HINT_T0);
+      scales<KIND>(rec[i], g, mask, ws[i], mn[i]);
     }
     for (int j = 0; j < MB; ++j) {
-      const __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(x.q + (m0 + j) * K + c * 64), flip);
-      const __m512 xs = _mm512_loadu_ps(x.xh + (m0 + j) * K / 4 + c * 16);
-      for (int i = 0; i < NB; ++i) {
-        const __m512i d = _mm512_dpbusd_epi32(start[i], xv, w[i]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[i], xs), acc[i][j]);
+      const __m512 xs = _mm512_loadu_ps(x.xs + ((m0 + j) * G + gi) * 16);
+      for (int i = 0; i < NB; ++i) f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_mul_ps(ws[i], xs), f[i][j]);
+      if constexpr (F::MIN) {
+        const __m512 qs = _mm512_loadu_ps(x.qs + ((m0 + j) * G + gi) * 16);
+        for (int i = 0; i < NB; ++i) f[i][j] = _mm512_fnmadd_ps(mn[i], qs, f[i][j]);
       }
     }
   }
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j)
-      y.store((m0 + j) * N + n0 + i, _mm512_reduce_add_ps(acc[i][j]) + (B ? B[n0 + i] : 0.0f));
+      y.store((m0 + j) * N + n0 + i, _mm512_reduce_add_ps(f[i][j]) + (B ? B[n0 + i] : 0.0f));
 }
 
-// 8 rows of x at a time share one unpacking of a 2-row weight tile; fewer rows take 4-row tiles
-template <typename Tile>
-void dispatch(int64_t M, int64_t N, Tile tile) {
-  if (M >= 8) {
-    over_tiles<2>(N, tile);
-  } else {
-    over_tiles<4>(N, tile);
-  }
-}
-
-// What both block linears set up for a call: x quantized (``odd``: see quantize_blocks), the output
-// in x's dtype, the bias in float32. The tensors own the memory the pointers read.
-struct Pass {
-  torch::Tensor q, xh, qs, out, b32;
-  Rows rows;
-  Out y;
-  const float* B;
-  int64_t M;
-};
-
-Pass begin(const torch::Tensor& x, int64_t K, int64_t N, float odd, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 64 == 0, "x [M, K] with K a multiple of 64");
+template <int KIND>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t K, const c10::optional<torch::Tensor>& bias) {
+  using F = Format<KIND>;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % F::L == 0, "x [M, K] with K a multiple of the block");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
-  Pass p;
-  p.M = x.size(0);
-  p.q = torch::empty({p.M, K}, x.options().dtype(torch::kInt8));
-  p.xh = torch::empty({p.M, K / 4}, x.options().dtype(torch::kFloat32));
-  p.qs = torch::empty({p.M, K / 32}, x.options().dtype(torch::kFloat32));
-  quantize_blocks(x, p.q.data_ptr<int8_t>(), p.xh.data_ptr<float>(), p.qs.data_ptr<float>(), odd);
-  p.out = torch::empty({p.M, N}, x.options());
-  p.rows = Rows{p.q.data_ptr<int8_t>(), p.xh.data_ptr<float>(), p.qs.data_ptr<float>(), K};
-  p.y = Out{p.out.data_ptr(), x.scalar_type() == torch::kFloat32};
-  p.B = nullptr;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 records [N, bytes]");
+  const int64_t M = x.size(0), N = w.size(0), nb = K / F::L, G = (nb + 15) / 16;
+  const int64_t row_bytes = (G - 1) * F::record(16) + F::record(lanes(nb, G - 1));
+  TORCH_CHECK(w.size(1) == row_bytes, "w: ", w.size(1), " bytes a row, the layout needs ", row_bytes);
+  auto i8 = x.options().dtype(torch::kInt8);
+  auto q = torch::empty({M * K + 64}, i8);
+  auto xs = torch::empty({M, G, 16}, x.options().dtype(torch::kFloat32));
+  auto init = torch::empty({M, G, 16}, x.options().dtype(torch::kInt32));
+  auto qs = torch::empty({M, G, 16}, x.options().dtype(torch::kFloat32));
+  quantize<KIND>(x, q.data_ptr<int8_t>(), xs.data_ptr<float>(), init.data_ptr<int32_t>(), qs.data_ptr<float>(), G);
+  auto out = torch::empty({M, N}, x.options());
+  const Rows rows{q.data_ptr<int8_t>(), xs.data_ptr<float>(), init.data_ptr<int32_t>(), qs.data_ptr<float>(), K, G};
+  const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
+  torch::Tensor b32;
+  const float* B = nullptr;
   if (bias.has_value()) {
-    p.b32 = bias->to(torch::kFloat32).contiguous();
-    p.B = p.b32.data_ptr<float>();
+    b32 = bias->to(torch::kFloat32).contiguous();
+    B = b32.data_ptr<float>();
   }
-  return p;
-}
-
-// block(mb, nb, m0, n0) over every row block and weight tile of the pass
-template <typename Block>
-void run(const Pass& p, int64_t N, Block block) {
-  dispatch(p.M, N, [&](auto nb, int64_t n0) { over_rows<8>(p.M, [&](auto mb, int64_t m0) { block(mb, nb, m0, n0); }); });
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  auto block = [&](auto mb, auto nbt, int64_t m0, int64_t n0) {
+    tile<KIND, decltype(mb)::value, decltype(nbt)::value>(rows, W, row_bytes, B, y, N, m0, n0);
+  };
+  // a pass of 4 rows or more shares each unpacked vector of a 2-row weight tile over blocks of 4
+  // rows; fewer rows take 4-row weight tiles
+  if (M >= 4) {
+    over_tiles<2>(N, [&](auto nbt, int64_t n0) { over_rows<4>(M, [&](auto mb, int64_t m0) { block(mb, nbt, m0, n0); }); });
+  } else {
+    over_tiles<4>(N, [&](auto nbt, int64_t n0) { over_rows<4>(M, [&](auto mb, int64_t m0) { block(mb, nbt, m0, n0); }); });
+  }
+  return out;
 }
 
 }  // namespace
 
-torch::Tensor linear_u4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor min,
-                        c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && scale.scalar_type() == torch::kFloat32 &&
-                  min.scalar_type() == torch::kFloat32, "w uint8, scale and min float32");
-  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && min.is_contiguous(), "contiguous weights");
-  const int64_t N = w.size(0), K = w.size(1) * 2;
-  const Pass p = begin(x, K, N, 1.0f / 16, bias);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const float* WS = scale.data_ptr<float>();
-  const float* WM = min.data_ptr<float>();
-  run(p, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
-    block_u4<decltype(mb)::value, decltype(nb)::value>(p.rows, W, WS, WM, p.B, p.y, N, m0, n0);
-  });
-  return p.out;
-}
-
-torch::Tensor linear_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.scalar_type() == torch::kInt8 && scale.scalar_type() == torch::kFloat32, "w int8, scale float32");
-  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "contiguous weights");
-  const int64_t N = w.size(0), K = w.size(1);
-  const Pass p = begin(x, K, N, 1.0f, bias);
-  const int8_t* W = w.data_ptr<int8_t>();
-  const float* WS = scale.data_ptr<float>();
-  run(p, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
-    block_i8<decltype(mb)::value, decltype(nb)::value>(p.rows, W, WS, p.B, p.y, N, m0, n0);
-  });
-  return p.out;
+// x [M, K] float32 or bfloat16, w [N, bytes] uint8 in ``kind``'s layout -> [M, N] in x's dtype
+torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias) {
+  switch (kind) {
+    case Q4_0: return run<Q4_0>(x, w, K, bias);
+    case Q4_1: return run<Q4_1>(x, w, K, bias);
+    case Q4_K: return run<Q4_K>(x, w, K, bias);
+    case Q8_0: return run<Q8_0>(x, w, K, bias);
+    case Q5_0: return run<Q5_0>(x, w, K, bias);
+    case Q6_K: return run<Q6_K>(x, w, K, bias);
+    default: TORCH_CHECK(false, "unknown block format ", kind);
+  }
+  return {};
 }

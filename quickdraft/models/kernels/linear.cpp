@@ -194,14 +194,11 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
 }
 
 // blocks.cpp: GGUF block formats
-torch::Tensor linear_u4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor min,
-                        c10::optional<torch::Tensor> bias);
-torch::Tensor linear_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ w.T + b in bfloat16");
   m.def("linear_f32", &linear_f32, "x @ w.T + b in float32, batch invariant");
-  m.def("linear_u4", &linear_u4, "x @ (scale * q - min).T + b: 4-bit weights, x quantized in blocks of 32");
-  m.def("linear_i8", &linear_i8, "x @ (scale * q).T + b: int8 weights, 16-blocks, x quantized in blocks of 32");
+  m.def("linear_blocks", &linear_blocks, "x @ w.T + b: w in a GGUF block format as repacked by models/ggml.py, x quantized per block");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
 }
