@@ -154,8 +154,11 @@ def run_teacher_forced(ref, test, tokenizer, problems: list[dict], chunk: int, p
         nexts.append(nxt)
         solution.append(sol)
         s = summarize_positions(m, nxt)
+        at = int(m["max_abs"].argmax())  # where the largest difference lies, and on what scale
         rows.append({"task_id": p["task_id"], "num_tokens": len(ids), "num_prompt_tokens": len(prompt),
-                     **{k: s[k] for k in ("top1_agreement", "max_abs_logit_diff", "kl_mean")}})
+                     **{k: s[k] for k in ("top1_agreement", "max_abs_logit_diff", "kl_mean")},
+                     "max_abs_logit_diff_position": at, "ref_top_logit_there": m["ref_top"][at].item(),
+                     "token_there": ids[at]})
     if not rows:
         return {"all": summarize_positions({"max_abs": torch.zeros(0)}), "problems": []}
     m = {k: torch.cat([x[k] for x in measures]) for k in measures[0]}

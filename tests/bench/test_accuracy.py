@@ -103,6 +103,9 @@ def test_solution_positions_are_those_predicting_solution_tokens():
     r = accuracy.run_teacher_forced(d, _decoder(noise=0.3), CharTokenizer(), problems, chunk=4, progress=False)
     assert [p["num_tokens"] for p in r["problems"]] == [23, 5] and r["problems"][1]["num_prompt_tokens"] == 2
     assert r["all"]["positions"] == 28 and r["solution"]["positions"] == 13 + 3
+    row = r["problems"][0]
+    assert 0 <= row["max_abs_logit_diff_position"] < 23 and row["token_there"] == ord("def f(x):\n    return x\n"[
+        row["max_abs_logit_diff_position"]]) % 96
     same = accuracy.run_teacher_forced(d, d, CharTokenizer(), problems, chunk=4, progress=False)
     assert same["solution"]["top1_agreement"] == 1.0 and same["all"]["max_abs_logit_diff"] == 0.0
     assert same["all"]["next_token_accuracy_ref"] == same["all"]["next_token_accuracy_test"]
