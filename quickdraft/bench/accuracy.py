@@ -248,6 +248,31 @@ def pairs(outputs: dict[str, list]) -> list[dict]:
             for i, a in enumerate(names) for b in names[i + 1 :]]
 
 
+def divergences(outputs: dict[str, list], prompts: list[list[int]], ref) -> list[dict]:
+    """Where each pair's outputs first differ, per problem, with the reference Decoder's top-1 -
+    top-2 logit margin over the common prefix (bench/harness.py's top2_margin): a small margin
+    there is a near-tie that any rounding can turn, a large one is not."""
+    from quickdraft.bench.harness import top2_margin
+
+    out, margins = [], {}
+    names = [n for n in PATHS if n in outputs]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            for q, (x, y) in enumerate(zip(outputs[a], outputs[b])):
+                if x is None or y is None or x == y:
+                    continue
+                at = common_prefix(x, y)
+                prefix = tuple(prompts[q] + x[:at])
+                if prefix not in margins:
+                    margins[prefix] = top2_margin(ref, list(prefix))
+                m = margins[prefix]
+                out.append({"a": a, "b": b, "problem": q, "position": at,
+                            "token_a": x[at] if at < len(x) else None, "token_b": y[at] if at < len(y) else None,
+                            "ref_top1_token": m["top1_token"], "ref_top2_token": m["top2_token"],
+                            "ref_margin": m["margin"]})
+    return out
+
+
 # -- the run --------------------------------------------------------------------------------------
 
 def _model_info(m) -> dict:
@@ -292,7 +317,7 @@ def run_accuracy(c: AccuracyConfig, progress: bool = True) -> dict:
                                             f"greedy {name}", progress)
                    for name, m in (("blocks", blocks), ("dense", dense))}
         eos, source = set(blocks.config.eos_token_ids), blocks.source
-        del ref, test, blocks, dense
+        del test, blocks  # the dense reference stays: it reads the margins at the divergences
         gc.collect()
         lap("greedy_quickdraft_s")
         llama = {"status": "skipped", "reason": "--no-llama-cpp", "outputs": [None] * len(prompts)}
@@ -303,7 +328,9 @@ def run_accuracy(c: AccuracyConfig, progress: bool = True) -> dict:
             outputs["llama_cpp"] = llama["outputs"]
         lap("greedy_llama_cpp_s")
         greedy = {"task_ids": [p["task_id"] for p in problems], "max_tokens": c.max_tokens, "outputs": outputs,
-                  "pairs": pairs(outputs), "llama_cpp": {k: v for k, v in llama.items() if k != "outputs"}}
+                  "pairs": pairs(outputs), "divergences": divergences(outputs, prompts, ref),
+                  "llama_cpp": {k: v for k, v in llama.items() if k != "outputs"}}
+        lap("divergences_s")
     return {"models": models, "teacher_forced": tf, "greedy": greedy, "phases": phases}
 
 
@@ -354,6 +381,10 @@ def markdown(result: dict) -> str:
             if r["n"]:
                 lines.append(f"| {r['a']} vs {r['b']} | {r['identical']}/{r['n']} | {_f(r['mean_common_prefix'], 1)} | "
                              f"{_f(r['mean_length_a'], 1)} / {_f(r['mean_length_b'], 1)} |")
+        lines += [""] if g.get("divergences") else []
+        for d in g.get("divergences", []):
+            lines.append(f"- {d['a']} vs {d['b']}, {g['task_ids'][d['problem']]}: first differ at token {d['position']}; "
+                         f"the dequantized path's top-1 - top-2 margin there is {_f(d['ref_margin'])}")
         llama = g["llama_cpp"]
         if llama["status"] != "ok":
             lines += ["", f"llama.cpp: {llama['status']}: {llama.get('reason')}"]

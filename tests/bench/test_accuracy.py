@@ -124,6 +124,18 @@ def test_whole_output_agreement():
     assert names == [("blocks", "dense")]
 
 
+def test_divergences_carry_the_reference_margin():
+    from quickdraft.bench.harness import top2_margin
+
+    d = _decoder()
+    outputs = {"blocks": [[1, 2, 3], [7]], "dense": [[1, 2, 4], [7]], "llama_cpp": [[1, 2, 3], None]}
+    found = accuracy.divergences(outputs, [[5, 6], [8]], d)
+    assert [(x["a"], x["b"], x["problem"], x["position"]) for x in found] == [("blocks", "dense", 0, 2),
+                                                                             ("dense", "llama_cpp", 0, 2)]
+    assert found[0]["token_a"] == 3 and found[0]["token_b"] == 4
+    assert found[0]["ref_margin"] == top2_margin(d, [5, 6, 1, 2])["margin"] >= 0
+
+
 def test_llama_cpp_missing_is_a_skip(monkeypatch, tmp_path):
     monkeypatch.setattr(peers, "_installed", lambda peer: False)
     f = tmp_path / "m.gguf"
@@ -148,7 +160,9 @@ def test_markdown_and_cli(tmp_path):
     result = {"config": accuracy.asdict(c), "command": accuracy.command_line(c, None),
               "machine": {"cpu": "cpu", "cpu_count": 2, "torch_threads": 2}, "duration_s": 1.0, "teacher_forced": tf,
               "greedy": {"task_ids": ["t"], "max_tokens": 2, "outputs": outputs, "pairs": accuracy.pairs(outputs),
+                         "divergences": accuracy.divergences(outputs, [[5]], d),
                          "llama_cpp": {"status": "skipped", "reason": "--no-llama-cpp"}}}
     text = accuracy.markdown(result)
     assert "| all | 6 |" in text and "| solution | 4 |" in text
     assert "| blocks vs dense | 0/1 | 1.0 |" in text and "llama.cpp: skipped" in text
+    assert "- blocks vs dense, t: first differ at token 1" in text
