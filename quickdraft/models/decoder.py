@@ -30,6 +30,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.kernels import Invariance, dense_linear, invariance
 from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
 
 ROW_MULTIPLE = 4
@@ -138,6 +139,9 @@ class Decoder:
             raise ValueError("the weights are GGUF blocks already; int8 quantization applies to dense weights")
         if quantize == "int8":
             weights, self.lm_head = quantize_weights(weights, self.lm_head)
+            moved = into_huge_pages(weights | {"lm_head.weight": self.lm_head})  # new tensors: see memory.py
+            self.lm_head = moved.pop("lm_head.weight")
+            weights = moved
         elif quantize is not None:
             raise ValueError(f"unknown quantization {quantize!r}; supported: int8")
         self.w = weights

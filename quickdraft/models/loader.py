@@ -26,6 +26,7 @@ from quickdraft.models import hf as hf_loader
 from quickdraft.models import registry
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 
 # Bump when the conversion itself changes (names, unpermute, tokenizer building), so that old
@@ -72,6 +73,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
     else:
         config, weights, tokenizer = load_gguf_cached(path, dtype, keep_blocks=quantization == "gguf")
         weights = {k: v.to(device) for k, v in weights.items()}  # BlockWeight.to moves its parts
+    if torch.device(device).type == "cpu":
+        weights = into_huge_pages(weights)
     if registry.is_builtin(name_or_path):
         config = dataclasses.replace(config, name=name_or_path)
     return LoadedModel(config, weights, tokenizer, str(path))

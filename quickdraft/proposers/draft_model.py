@@ -29,6 +29,7 @@ from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
 from quickdraft.proposers.base import DraftProposal, register
@@ -169,7 +170,8 @@ def truncated_head(draft, ids: torch.Tensor):
     one scale per row, then quantizes the N rows alone, as selecting rows of the quantized head would."""
     w = dict(draft.weights)
     head = w["model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"]
-    w["lm_head.weight"] = head.select(ids) if isinstance(head, BlockWeight) else head[ids].contiguous()
+    head = head.select(ids) if isinstance(head, BlockWeight) else head[ids].contiguous()
+    w["lm_head.weight"] = into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
     return dataclasses.replace(draft.config, tie_word_embeddings=False), w
 
 

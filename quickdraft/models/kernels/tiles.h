@@ -29,3 +29,23 @@ void over_rows(int64_t M, Block block) {
     default: break;
   }
 }
+
+// Blocks of MAX rows, then the rest as one block of M % MAX rows (blocks.cpp: a pass of 5 rows
+// reads each weight vector once, not once for 4 rows and again for 1).
+template <int R, typename Block>
+void one_block(int64_t rows, int64_t m0, Block block) {
+  if constexpr (R >= 1) {
+    if (rows == R) {
+      block(std::integral_constant<int, R>(), m0);
+    } else {
+      one_block<R - 1>(rows, m0, block);
+    }
+  }
+}
+
+template <int MAX, typename Block>
+void over_rows_whole(int64_t M, Block block) {
+  int64_t m0 = 0;
+  for (; m0 + MAX <= M; m0 += MAX) block(std::integral_constant<int, MAX>(), m0);
+  one_block<MAX - 1>(M - m0, m0, block);
+}
