@@ -2,7 +2,12 @@
 GGUF file's matrices on its stored blocks (models/ggml.py) and dequantized to bfloat16 (the dense
 kernel), measured side by side (interleaved, warmed up, medians).
 
-    python -m quickdraft.bench.matrix --model qwen2.5-coder-1.5b-instruct --tensor blk.0.ffn_gate.weight
+A decoding step reads each matrix from memory, not from cache, so each timed call goes to the
+next of enough copies of the matrix (in huge pages, as the loader places weights) to fill
+256 MB: a matrix small enough for the L3 cache would otherwise look several times faster.
+
+    python -m quickdraft.bench.matrix --model qwen2.5-coder-1.5b-instruct --tensor blk.0.ffn_gate.weight \
+        --plot docs/figures/gguf_rows.png
 """
 
 from __future__ import annotations
@@ -13,36 +18,52 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from quickdraft.models import registry
 from quickdraft.models.decoder import linear, nbytes
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.gguf import _torch_shape, open_gguf
+from quickdraft.models.memory import into_huge_pages
 
 
-def _time(fn, repeats: int) -> float:
+STREAM_BYTES = 256 << 20
+
+
+def _copies(w, nbytes: int) -> list:
+    n = max(2, STREAM_BYTES // nbytes)
+    if isinstance(w, BlockWeight):
+        made = {str(i): BlockWeight(w.ggml_type, w.data.clone(), w.in_features) for i in range(n)}
+    else:
+        made = {str(i): w.clone() for i in range(n)}
+    return list(into_huge_pages(made).values())
+
+
+def _time(fn, weights: list) -> float:
+    """Seconds a call, each call on the next copy."""
     t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
+    for w in weights:
+        fn(w)
+    return (time.perf_counter() - t0) / len(weights)
 
 
-def measure(model: str, tensor: str, rows: list[int], rounds: int = 15, repeats: int = 5) -> list[dict]:
+def measure(model: str, tensor: str, rows: list[int], rounds: int = 9) -> list[dict]:
     """For each row count: median seconds of the block kernel and of the bfloat16 kernel."""
     path = registry.model_path(model) if registry.is_builtin(model) else model
     t = next(t for t in open_gguf(path).tensors if t.name == tensor)
     blocks = BlockWeight.from_gguf(t.tensor_type.name, t.data, _torch_shape(t))
     dense = blocks.dequantize(torch.bfloat16)
+    weights = {"blocks": _copies(blocks, blocks.nbytes), "bf16": _copies(dense, nbytes(dense))}
     out = []
-    for m in rows:
+    for m in tqdm(rows, desc=f"{tensor} by rows", leave=False):
         x = torch.randn(m, blocks.shape[1]).to(torch.bfloat16)
-        cases = {"blocks": lambda: blocks.linear(x), "bf16": lambda: linear(x, dense)}
-        for fn in cases.values():
-            _time(fn, 3)  # warm-up
+        cases = {"blocks": lambda w: w.linear(x), "bf16": lambda w: linear(x, w)}
+        for k, fn in cases.items():
+            _time(fn, weights[k])  # warm-up
         samples = {k: [] for k in cases}
         for _ in range(rounds):  # interleaved: A B A B
             for k, fn in cases.items():
-                samples[k].append(_time(fn, repeats))
+                samples[k].append(_time(fn, weights[k]))
         med = {k: statistics.median(v) for k, v in samples.items()}
         out.append({"rows": m, "format": t.tensor_type.name, "shape": list(blocks.shape),
                     "blocks_ms": med["blocks"] * 1e3, "bf16_ms": med["bf16"] * 1e3,
@@ -54,6 +75,30 @@ def measure(model: str, tensor: str, rows: list[int], rounds: int = 15, repeats:
     return out
 
 
+def plot(rows: list[dict], tensor: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ms = [r["rows"] for r in rows]
+    r0 = rows[0]
+    ax.plot(ms, [r["blocks_ms"] for r in rows], "o-", label=f"stored {r0['format']} blocks ({r0['blocks_bytes'] / 2**20:.1f} MiB)")
+    ax.plot(ms, [r["bf16_ms"] for r in rows], "s-", label=f"bfloat16 ({r0['bf16_bytes'] / 2**20:.1f} MiB)")
+    for factor, style in ((1.5, ":"), (2.5, "--")):
+        ax.axhline(r0["blocks_ms"] * factor, color="grey", linestyle=style, linewidth=0.8,
+                   label=f"{factor}x the blocks' 1 row")
+    ax.set_xlabel("rows in the pass")
+    ax.set_ylabel("ms a call (median, from memory)")
+    ax.set_title(f"{tensor} {r0['shape'][0]}x{r0['shape'][1]}: cost by rows")
+    ax.set_xticks(ms)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -61,10 +106,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,2,4,8,16,32")
     p.add_argument("--threads", type=int, default=None, help="torch (and kernel) threads; default: torch's")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, help="write a plot of ms against rows (PNG)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(args.model, args.tensor, [int(r) for r in args.rows.split(",")])
+    if args.plot:
+        plot(rows, args.tensor, args.plot)
     if args.json:
         print(json.dumps(rows))
         return 0

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.kernels import Invariance, dense_linear, invariance
+from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, invariance
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
@@ -218,11 +218,14 @@ class Decoder:
             end = start + qlen
             kv.write(layer, slot, ctx, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             keys, values = kv.read(layer, slot, ctx + qlen)  # [kv_heads, L, d]
-            keys, values = keys.float(), values.float()
             tree = meta.masks is not None and meta.masks[i] is not None
+            kernel = chain_attention() if q.device.type == "cpu" else None
             if tree or qlen > MAX_ROW_BY_ROW:
-                out.append(self._attend(q[start:end], keys, values, self._mask(meta, i, ctx, qlen, q.device)))
+                out.append(self._attend(q[start:end], keys.float(), values.float(), self._mask(meta, i, ctx, qlen, q.device)))
+            elif kernel is not None:  # the same, one call (kernels/attention.cpp)
+                out.append(kernel(q[start:end].float(), keys, values, ctx, self.scale))
             else:
+                keys, values = keys.float(), values.float()
                 for j in range(qlen):
                     L = ctx + j + 1
                     out.append(self._attend(q[start + j : start + j + 1], keys[:, :L], values[:, :L], None))

@@ -8,8 +8,8 @@ the group's scales, as compact as the file's. Every format dequantizes exactly a
 
 - 4-bit values: Q4_0 (4.5 bits a weight, as the file), Q4_1 (5, as the file), Q4_K (4.75; the
   file's 4.5 packs the 6-bit scales tighter);
-- 6-bit values: Q6_K (6.625; 6.56 in the file);
-- 8-bit values: Q8_0 (8.5, as the file) and Q5_0 (8.5; 5.5 in the file).
+- 5- and 6-bit values: Q5_0 (5.5, as the file), Q6_K (6.625; 6.56 in the file);
+- 8-bit values: Q8_0 (8.5, as the file).
 
 The kernels quantize each row of activations to int8 per block (ggml's Q8_0 for 32-blocks), so
 a product is not the float product with the dequantized weights; it is close (tested), and batch
@@ -38,7 +38,7 @@ class Format:
 
     kind: int  # blocks.cpp's Kind
     block: int  # weights a scale
-    bits: int  # 4, 6 or 8: the stored values
+    bits: int  # 4, 5, 6 or 8: the stored values
     offset: int  # taken off the stored values
     scales: str  # "f16": a float16 scale (and min) a block; "k": int scales a block, float d a super-block
     has_min: bool
@@ -63,7 +63,7 @@ FORMATS = {
     "Q4_1": Format(1, 32, 4, 0, "f16", True),
     "Q4_K": Format(2, 32, 4, 0, "k", True, super_block=8),
     "Q8_0": Format(3, 32, 8, 128, "f16", False),
-    "Q5_0": Format(4, 32, 8, 16, "f16", False),
+    "Q5_0": Format(4, 32, 5, 16, "f16", False),
     "Q6_K": Format(5, 16, 6, 32, "k", False, super_block=16),
 }
 
@@ -136,6 +136,10 @@ def _pack(f: Format, fields: dict[str, np.ndarray], out: int, k: int) -> np.ndar
         steps = q[:, b : b + g].transpose(0, 2, 1, 3)  # [row, step, lane, 4]
         if f.bits == 4:  # step 2p in the low nibble, 2p + 1 in the high one
             steps = steps[:, 0::2] | (steps[:, 1::2] << 4)
+        elif f.bits == 5:  # the low nibbles as 4-bit values (steps 2p, 2p + 1), then the high bit of all 8
+            low, high = steps & 0x0F, steps >> 4
+            high = sum(high[:, s] << s for s in range(8)).astype(np.uint8)
+            steps = np.concatenate([low[:, 0::2] | (low[:, 1::2] << 4), high[:, None]], axis=1)
         elif f.bits == 6:  # the low nibbles as 4-bit values of steps 0-1 and 2-3, then the high 2 bits of all 4
             low, high = steps & 0x0F, steps >> 4
             high = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
@@ -157,6 +161,9 @@ def _read(f: Format, data: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
         v = data[:, at : at + n].reshape(out, -1, g, 4)  # [row, vector, lane, 4]
         if f.bits == 4:
             v = np.stack([v & 0x0F, v >> 4], axis=2).reshape(out, -1, g, 4)
+        elif f.bits == 5:
+            low = np.stack([v[:, :4] & 0x0F, v[:, :4] >> 4], axis=2).reshape(out, 8, g, 4)
+            v = low | np.stack([((v[:, 4] >> s) & 1) << 4 for s in range(8)], axis=1)
         elif f.bits == 6:
             low = np.stack([v[:, :2] & 0x0F, v[:, :2] >> 4], axis=2).reshape(out, 4, g, 4)
             v = low | np.stack([((v[:, 2] >> (2 * s)) & 3) << 4 for s in range(4)], axis=1)

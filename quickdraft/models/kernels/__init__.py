@@ -25,7 +25,7 @@ import torch
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = ("linear.cpp", "blocks.cpp")  # compiled; tiles.h is included by both
+SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp")  # compiled; tiles.h is included by both
 HEADERS = ("tiles.h",)
 ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
@@ -82,6 +82,13 @@ def block_linear():
     """The compiled GGUF block-format linears (``linear_u4``, ``linear_i8``: see blocks.cpp), as
     the module that holds them, or None."""
     return _module()
+
+
+def chain_attention():
+    """The compiled ``attend_chain(q [m, H, d] f32, keys, values [Hkv, L, d], ctx, scale) -> [m, H * d]``
+    (row j over keys 0..ctx+j; see attention.cpp), or None."""
+    module = _module()
+    return None if module is None else module.attend_chain
 
 
 def dense_linear(dtype: torch.dtype, device: torch.device | str):

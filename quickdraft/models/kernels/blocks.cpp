@@ -9,15 +9,16 @@
 // product after L/4 steps. Only then does each lane meet float: one convert and one multiply-add
 // by (weight scale x activation scale) per group of 16 blocks, where a per-block float scale
 // costs that on every 64 weights. The values are unsigned: 4-bit (two steps a byte: step 2p in
-// the low nibble, 2p+1 in the high one), 6-bit (Q6_K, below) or 8-bit, stored as q + offset; the
+// the low nibble, 2p+1 in the high one), 5- or 6-bit (Q5_0, Q6_K, below) or 8-bit, stored as q + offset; the
 // offset is taken off in the integer domain (each lane starts at -offset * its block's sum of x).
 // After the values, the record holds the group's scales, as compact as the file's:
 //   F16 (Q4_0, Q4_1, Q8_0, Q5_0): a float16 scale a block (Q4_1: and a float16 min);
 //   Q4_K: a 6-bit scale and min a block (one byte each), then d and dmin a super-block (float);
 //   Q6_K: an int8 scale a block, then d (float) for the group (a group is one super-block).
 // Q6_K's 6-bit values take 3 vectors for its 4 steps: the low nibbles of steps 0 and 1, of 2 and
-// 3, then the high 2 bits of all four. Bits a weight: Q4_0 4.5, Q4_1 5, Q4_K 4.75, Q8_0 and Q5_0
-// 8.5, Q6_K 6.625.
+// 3, then the high 2 bits of all four; Q5_0's 5-bit ones 5 for its 8: 4 of nibbles, then the high
+// bit of all eight. Bits a weight: Q4_0 4.5, Q4_1 5, Q4_K 4.75, Q5_0 5.5, Q6_K 6.625 (as the file
+// but for Q4_K's 4.5 and Q6_K's 6.5625), Q8_0 8.5.
 //
 // Written by hand because decoding reads every weight once per step: each weight vector is
 // loaded and unpacked once and used for every row of the pass (llama.cpp and torch's int4 path
@@ -48,9 +49,10 @@ struct Format {
   static constexpr int L = KIND == Q6_K ? 16 : 32;                     // weights a block
   static constexpr bool NIBBLES = KIND <= Q4_K;                        // 4-bit values
   static constexpr bool SIX = KIND == Q6_K;                            // 6-bit values (see tile)
+  static constexpr bool FIVE = KIND == Q5_0;                           // 5-bit values (see tile)
   static constexpr int OFFSET = KIND == Q4_0 ? 8 : KIND == Q8_0 ? 128 : KIND == Q5_0 ? 16 : KIND == Q6_K ? 32 : 0;
   static constexpr bool MIN = KIND == Q4_1 || KIND == Q4_K;            // a float min a block
-  static constexpr int VECTORS = NIBBLES ? L / 8 : SIX ? 3 : L / 4;  // 4g-byte vectors of values
+  static constexpr int VECTORS = NIBBLES ? L / 8 : SIX ? 3 : FIVE ? 5 : L / 4;  // 4g-byte vectors of values
   // bytes of a record of g blocks
   static constexpr int64_t values(int g) { return int64_t(VECTORS) * 4 * g; }
   static constexpr int64_t record(int g) {
@@ -154,7 +156,7 @@ template <int KIND, int MB, int NB>
 inline void tile(const Rows& x, const uint8_t* W, int64_t row_bytes, const float* B, const Out& y, int64_t N,
                  int64_t m0, int64_t n0) {
   using F = Format<KIND>;
-  static_assert(!F::SIX || NB == 1, "6-bit values are unpacked for one weight row at a time");
+  static_assert(!(F::SIX || F::FIVE) || NB == 1, "5- and 6-bit values are unpacked for one weight row at a time");
   const int64_t K = x.K, G = x.G, nb = K / F::L;
   __m512 f[NB][MB];
   for (int i = 0; i < NB; ++i)
@@ -189,7 +191,28 @@ inline void tile(const Rows& x, const uint8_t* W, int64_t row_bytes, const float
       for (int j = 0; j < MB; ++j)
         for (int s = 0; s < 4; ++s) acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], w6[s], _mm512_loadu_si512(xq[j] + s * stride));
     }
-    for (int v = 0; v < (F::SIX ? 0 : F::VECTORS); ++v) {
+    if constexpr (F::FIVE) {
+      // 5-bit values in 5 vectors: steps 2p and 2p + 1 as nibbles (p = 0..3), then the high bit
+      // of all 8 steps (step s in bit s of each byte)
+      const uint8_t* at = rec[0];
+      const __m512i hb = _mm512_maskz_loadu_epi32(mask, at + 4 * stride), bit = _mm512_set1_epi8(0x10);
+      _mm_prefetch(reinterpret_cast<const char*>(at + 4 * stride + PREFETCH), _MM_HINT_T0);
+      const __m512i high[8] = {_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 3), _mm512_slli_epi16(hb, 2),
+                               _mm512_slli_epi16(hb, 1), hb, _mm512_srli_epi16(hb, 1), _mm512_srli_epi16(hb, 2),
+                               _mm512_srli_epi16(hb, 3)};
+      for (int p = 0; p < 4; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(at + p * stride + PREFETCH), _MM_HINT_T0);
+        const __m512i packed = _mm512_maskz_loadu_epi32(mask, at + p * stride);
+        const __m512i w0 = _mm512_or_si512(_mm512_and_si512(packed, low), _mm512_and_si512(high[2 * p], bit));
+        const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
+                                           _mm512_and_si512(high[2 * p + 1], bit));
+        for (int j = 0; j < MB; ++j) {
+          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], w0, _mm512_loadu_si512(xq[j] + 2 * p * stride));
+          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], w1, _mm512_loadu_si512(xq[j] + (2 * p + 1) * stride));
+        }
+      }
+    }
+    for (int v = 0; v < (F::SIX || F::FIVE ? 0 : F::VECTORS); ++v) {
       __m512i w[NB], w2[NB];
       for (int i = 0; i < NB; ++i) {
         const uint8_t* at = rec[i] + v * stride;

@@ -1,0 +1,93 @@
+// Attention of a chain of new tokens over one sequence's cache: row j (of m) attends over the
+// first ctx + j + 1 keys, as it would when decoded alone. Written by hand for two reasons:
+// - batch invariance: each (row, head) runs one fixed sequence over exactly its own keys (dot
+//   products in 16 lanes then one horizontal sum, max, exp, sums in key order), so its bits do not
+//   depend on how many rows the pass has; torch's softmax and matmul round by shape;
+// - cost: a verification pass of m rows is one call, not m x (a dozen small torch ops) per layer.
+#include <torch/extension.h>
+#include <ATen/cpu/vec/vec.h>
+#include <immintrin.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t MAX_HEAD_DIM = 256;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// out[d] = sum_i softmax(scale * q . k_i)_i * v_i over keys 0..len-1; d a multiple of 16
+template <typename T>
+void attend_one(const float* q, const T* K, const T* V, int64_t ks, int64_t len, int64_t d, float scale,
+                float* scores, float* out) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < len; ++i) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load16(K + i * ks + c), acc);
+    const float s = _mm512_reduce_add_ps(acc) * scale;
+    scores[i] = s;
+    mx = std::max(mx, s);
+  }
+  // exp in 16-lane vectors (each element's value does not depend on its lane), summed in key order
+  using Vec = at::vec::Vectorized<float>;
+  float total = 0.0f;
+  int64_t i = 0;
+  for (; i + Vec::size() <= len; i += Vec::size()) {
+    (Vec::loadu(scores + i) - Vec(mx)).exp().store(scores + i);
+  }
+  if (i < len) (Vec::loadu(scores + i, len - i) - Vec(mx)).exp().store(scores + i, len - i);
+  for (int64_t t = 0; t < len; ++t) total += scores[t];
+  const float inv = 1.0f / total;
+  __m512 o[MAX_HEAD_DIM / 16];
+  for (int64_t c = 0; c < d; c += 16) o[c / 16] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const __m512 p = _mm512_set1_ps(scores[t]);
+    for (int64_t c = 0; c < d; c += 16) o[c / 16] = _mm512_fmadd_ps(p, load16(V + t * ks + c), o[c / 16]);
+  }
+  for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(o[c / 16], _mm512_set1_ps(inv)));
+}
+
+template <typename T>
+void chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
+           int64_t d, int64_t ctx, float scale) {
+  const int64_t group = H / Hkv;
+#pragma omp parallel
+  {
+    std::vector<float> scores(ctx + m + 16);
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t j = 0; j < m; ++j)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t kvh = h / group;
+        attend_one(Q + (j * H + h) * d, K + kvh * hs, V + kvh * hs, ks, ctx + j + 1, d, scale, scores.data(),
+                   O + (j * H + h) * d);
+      }
+  }
+}
+
+}  // namespace
+
+// q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d] (float32 or bfloat16, rows contiguous);
+// row j attends over keys 0..ctx+j -> [m, H * d] float32
+torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q [m, heads, d] float32");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys, values [kv_heads, L, d] alike");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
+  const int64_t m = q.size(0), H = q.size(1), d = q.size(2), Hkv = keys.size(0);
+  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && keys.size(2) == d && keys.stride(2) == 1, "head_dim a multiple of 16, at most 256, contiguous");
+  TORCH_CHECK(H % Hkv == 0 && keys.size(1) >= ctx + m, "heads a multiple of kv heads; the cache holds ctx + m keys");
+  auto qc = q.contiguous();
+  auto out = torch::empty({m, H * d}, q.options());
+  const int64_t hs = keys.stride(0), ks = keys.stride(1);
+  if (keys.scalar_type() == torch::kFloat32) {
+    chain(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), hs, ks, out.data_ptr<float>(), m, H, Hkv, d, ctx,
+          static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(keys.scalar_type() == torch::kBFloat16, "keys float32 or bfloat16");
+    chain(qc.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), hs, ks, out.data_ptr<float>(), m, H,
+          Hkv, d, ctx, static_cast<float>(scale));
+  }
+  return out;
+}
