@@ -22,9 +22,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model')
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--quantization", default=None, choices=["gguf"],
-                   help="gguf: run a GGUF model on its stored block-quantized weights (Q4_K, Q6_K, Q8_0, ...); "
-                        "--dtype is then the activations'")
+    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
+                   help="gguf: run a GGUF model on its stored block-quantized weights (Q4_K, Q6_K, Q8_0, ...), "
+                        "--dtype being the activations'; none: dequantize them to --dtype; auto (default): gguf "
+                        "where the CPU kernels run (AVX512-VNNI), else none")
     p.add_argument("--max-model-len", type=int, default=None)
 
 

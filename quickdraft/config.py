@@ -131,12 +131,13 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a slot before new ones are refused
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # "gguf": a GGUF's block-quantized matrices (Q4_K, Q6_K, Q8_0, ...) stay as stored, target and
-    # draft, multiplied by the CPU kernels of models/kernels/blocks.cpp; None: dequantized to dtype
-    quantization: str | None = None
+    # draft, multiplied by the CPU kernels of models/kernels/blocks.cpp; "none" (or None):
+    # dequantized to dtype; "auto": "gguf" where those kernels run (models/loader.py)
+    quantization: str | None = "auto"
 
     def __post_init__(self):
-        if self.quantization not in (None, "gguf"):
-            raise ConfigError(f'quantization must be null or "gguf", got {self.quantization!r}', "quantization")
+        if self.quantization not in (None, "none", "gguf", "auto"):
+            raise ConfigError(f'quantization must be "auto", "gguf", "none" or null, got {self.quantization!r}', "quantization")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", "dtype")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:

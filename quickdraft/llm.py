@@ -19,7 +19,7 @@ from quickdraft.sampling import SamplingParams
 class LLM:
     def __init__(self, model: "str | LoadedModel", speculative_config: "dict | str | SpeculativeConfig | None" = None,
                  dtype: str = "bfloat16", device: str = "cpu", max_model_len: int | None = None,
-                 max_num_seqs: int = 8, quantization: str | None = None):
+                 max_num_seqs: int = 8, quantization: str | None = "auto"):
         name = model if isinstance(model, str) else model.source
         config = EngineConfig(
             model=name, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -26,11 +26,12 @@ def _check(capsys, smollm2_path, dtype: str, spec: dict, *flags: str) -> tuple[i
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_check_passes(capsys, smollm2_path, dtype, method):
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-    if method == "draft_model":  # the target as its own int8 draft: shares the loaded weights
+    spec, flags = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}, SHORT
+    if method == "draft_model":  # the target as its own int8 draft: shares the loaded (dequantized) weights
         spec = {"method": "draft_model", "model": str(smollm2_path), "num_speculative_tokens": 4,
                 "quantization": "int8"}
-    code, r = _check(capsys, smollm2_path, dtype, spec, *SHORT)
+        flags = SHORT + ["--quantization", "none"]
+    code, r = _check(capsys, smollm2_path, dtype, spec, *flags)
     assert (code, r["verdict"], r["failures"]) == (0, "PASS", [])
     assert r["greedy"]["identical"] == r["greedy"]["num_prompts"] == 3
     assert sum(p["num_accepted_tokens"] for p in r["greedy"]["prompts"]) > 0  # speculation was exercised

@@ -103,7 +103,7 @@ class BenchConfig:
     ignore_eos: bool = False
     dtype: str = "bfloat16"
     device: str = "cpu"
-    quantization: str | None = None  # "gguf": target and drafts on their stored GGUF blocks
+    quantization: str | None = "auto"  # "gguf": target and drafts on their stored GGUF blocks; see load_model
     max_model_len: int = 2048
     permutations: int = 200  # TV permutation test
     peers: list[str] = field(default_factory=list)

@@ -20,6 +20,7 @@ from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
 from quickdraft.errors import ConfigError, PromptTooLongError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
+from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.proposers.base import ProposerContext, create_proposer
 from quickdraft.sampling import SamplingParams, make_generator
@@ -32,7 +33,10 @@ class Engine:
     def __init__(self, config: EngineConfig, target: LoadedModel | None = None):
         self.config = config
         dtype = config.torch_dtype
-        load = functools.partial(load_model, dtype=dtype, device=config.device, quantization=config.quantization)
+        quantization = config.quantization
+        if target is not None and quantization == "auto":  # a draft loaded here follows the given target
+            quantization = "gguf" if any(isinstance(w, BlockWeight) for w in target.weights.values()) else None
+        load = functools.partial(load_model, dtype=dtype, device=config.device, quantization=quantization)
         self.model = target if target is not None else load(config.model)
         self.tokenizer = self.model.tokenizer
         self.decoder = Decoder(self.model.config, self.model.weights)

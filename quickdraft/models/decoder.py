@@ -34,6 +34,7 @@ from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
 
 ROW_MULTIPLE = 4
+CHAIN_HEAD_DIMS = range(16, 257, 16)  # head sizes kernels/attention.cpp takes
 MAX_ROW_BY_ROW = 32  # a chain of at most this many new tokens attends row by row (see _attention)
 
 
@@ -219,7 +220,7 @@ class Decoder:
             kv.write(layer, slot, ctx, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             keys, values = kv.read(layer, slot, ctx + qlen)  # [kv_heads, L, d]
             tree = meta.masks is not None and meta.masks[i] is not None
-            kernel = chain_attention() if q.device.type == "cpu" else None
+            kernel = chain_attention() if q.device.type == "cpu" and self.config.head_dim in CHAIN_HEAD_DIMS else None
             if tree or qlen > MAX_ROW_BY_ROW:
                 out.append(self._attend(q[start:end], keys.float(), values.float(), self._mask(meta, i, ctx, qlen, q.device)))
             elif kernel is not None:  # the same, one call (kernels/attention.cpp)

@@ -45,12 +45,9 @@ class Format:
     super_block: int = 0  # blocks a super-block ("k" scales)
 
     def record(self, g: int) -> int:
-        """Bytes of a record of g blocks."""
-        values = self.block * g * self.bits // 8
-        if self.scales == "f16":
-            return values + 2 * g * (2 if self.has_min else 1)
-        d = 4 * (g // self.super_block)
-        return values + g * (2 if self.has_min else 1) + d * (2 if self.has_min else 1)
+        """Bytes of a record of g blocks: the values, then the scale fields (``_field_order``)."""
+        fields = sum(np.dtype(dtype).itemsize * g // per for _, dtype, per in _field_order(self))
+        return self.block * g * self.bits // 8 + fields
 
     def row_bytes(self, k: int) -> int:
         blocks = k // self.block

@@ -26,6 +26,7 @@ from quickdraft.models import hf as hf_loader
 from quickdraft.models import registry
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.kernels import block_linear
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 
@@ -46,17 +47,28 @@ class LoadedModel:
     source: str  # the file or directory the weights came from
 
 
-QUANTIZATIONS = (None, "gguf")
+QUANTIZATIONS = (None, "none", "gguf", "auto")
+
+
+def resolve_quantization(path: Path, device: str | torch.device, quantization: str | None) -> str | None:
+    """"auto" (the default): a GGUF file runs on its stored blocks where the block kernels run
+    (a CPU with AVX512-VNNI; elsewhere the blocks would be dequantized at every call), else on
+    its weights dequantized to the dtype. "none" or None: dequantized. "gguf": the blocks."""
+    if quantization == "auto":
+        blocks = not path.is_dir() and torch.device(device).type == "cpu" and block_linear() is not None
+        return "gguf" if blocks else None
+    return None if quantization == "none" else quantization
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = "auto") -> LoadedModel:
     """Load a built-in model by name (``smollm2-135m-instruct``), a ``.gguf`` file, or a Hugging
     Face directory. Every tensor, norms and biases included, is in ``dtype``: upcasting is the
     decoder's decision. ``quantization="gguf"``: a GGUF's block-quantized matrices stay as stored
-    (models/ggml.py), and ``dtype`` is that of the activations and of everything else."""
+    (models/ggml.py), and ``dtype`` is that of the activations and of everything else; "auto"
+    (the default) does so where the CPU kernels run (``resolve_quantization``); "none": dequantized."""
     if quantization not in QUANTIZATIONS:
-        raise ModelFormatError(f"quantization {quantization!r} is not supported (supported: none, gguf)")
+        raise ModelFormatError(f"quantization {quantization!r} is not supported (supported: auto, none, gguf)")
     if dtype not in _DTYPES:
         raise ModelFormatError(f"dtype {dtype} is not supported (supported: {', '.join(_DTYPES.values())})")
     name_or_path = str(name_or_path)
@@ -66,6 +78,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
         path = Path(name_or_path).expanduser()
         if not path.exists():
             raise registry.unknown_model_error(name_or_path)
+    quantization = resolve_quantization(path, device, quantization)
     if path.is_dir():
         if quantization == "gguf":
             raise ModelFormatError(f"{path}: quantization gguf needs a .gguf file, not a Hugging Face directory")

@@ -64,6 +64,10 @@ class DraftModelProposer:
         stored = any(isinstance(w, BlockWeight) for w in draft.weights.values())
         if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
             quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
+        if quantize == "int8" and stored:
+            raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
+                              'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
+                              "quantization")
         head_ids = draft_vocab.resolve(spec, draft)
         config, weights = (draft.config, draft.weights) if head_ids is None else truncated_head(draft, head_ids)
         return cls(Decoder(config, weights, quantize=quantize), ctx.num_slots, ctx.max_model_len,

@@ -283,7 +283,7 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 def test_conversion_cache_is_reused(tmp_path: Path, tmp_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path, hf = write_tiny_model(tmp_path / "tiny.gguf")
-    first = loader.load_model(str(path), torch.bfloat16)
+    first = loader.load_model(str(path), torch.bfloat16, quantization="none")
     out = loader.conversion_dir(path)
     cached = out / "weights-bfloat16.safetensors"
     mtime = cached.stat().st_mtime_ns
@@ -293,7 +293,7 @@ def test_conversion_cache_is_reused(tmp_path: Path, tmp_cache: Path, monkeypatch
 
     monkeypatch.setattr(qgguf, "load_gguf", no_conversion)
     monkeypatch.setattr(gguf.quants, "dequantize", no_conversion)
-    second = loader.load_model(str(path), torch.bfloat16)
+    second = loader.load_model(str(path), torch.bfloat16, quantization="none")
 
     assert cached.stat().st_mtime_ns == mtime
     assert second.config == first.config and second.source == str(path)
@@ -304,7 +304,7 @@ def test_conversion_cache_is_reused(tmp_path: Path, tmp_cache: Path, monkeypatch
     assert not list(out.glob(".*.tmp"))  # atomic writes left no temporaries
 
     with pytest.raises(AssertionError, match="converted again"):
-        loader.load_model(str(path), torch.float32)  # another dtype is another cache entry
+        loader.load_model(str(path), torch.float32, quantization="none")  # another dtype is another cache entry
 
 
 def test_changed_file_is_reconverted(tmp_path: Path, tmp_cache: Path) -> None:
@@ -341,9 +341,9 @@ def test_qwen05_config(qwen05_gguf, qwen05_tokenizer, qwen05_path: Path) -> None
 
 def test_damaged_cache_entry_is_reconverted(tmp_path: Path, tmp_cache: Path) -> None:
     path, hf = write_tiny_model(tmp_path / "d.gguf")
-    loader.load_model(str(path))
+    loader.load_model(str(path), quantization="none")
     cached = loader.conversion_dir(path) / "weights-float32.safetensors"
     cached.write_bytes(cached.read_bytes()[:100])  # e.g. a disk that filled up under another tool
-    again = loader.load_model(str(path))
+    again = loader.load_model(str(path), quantization="none")
     assert torch.equal(again.weights["model.norm.weight"], torch.from_numpy(hf["model.norm.weight"]))
     assert cached.stat().st_size > 100

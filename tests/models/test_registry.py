@@ -144,7 +144,7 @@ def test_not_a_model_file(tmp_path: Path, tmp_cache: Path) -> None:
 
 @pytest.mark.slow
 def test_load_smollm2_builtin(smollm2_path: Path, tmp_cache: Path) -> None:
-    m = loader.load_model("smollm2-135m-instruct", torch.bfloat16)
+    m = loader.load_model("smollm2-135m-instruct", torch.bfloat16, quantization="none")  # every tensor in the dtype
     assert m.source == str(smollm2_path) and m.config.name == "smollm2-135m-instruct"
     assert set(m.weights) == set(m.config.weight_names()) and len(m.weights) == 272
     assert m.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
