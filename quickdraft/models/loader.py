@@ -27,7 +27,7 @@ from quickdraft.models import registry
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.kernels import block_linear
-from quickdraft.models.memory import into_huge_pages
+from quickdraft.models.memory import into_huge_pages, read_safetensors
 from quickdraft.models.tokenizer import Tokenizer
 
 # Bump when the conversion itself changes (names, unpermute, tokenizer building), so that old
@@ -138,7 +138,8 @@ def _read_cached(out: Path, weights_file: Path):
     tokenizer = Tokenizer.from_json((out / "tokenizer.json").read_text(encoding="utf-8"))
     with safe_open(weights_file, "pt") as f:
         blocks = json.loads((f.metadata() or {}).get("blocks", "{}"))  # name -> GGUF type
-    tensors = load_file(weights_file)
+    read = read_safetensors(weights_file)  # straight into huge pages (models/memory.py)
+    tensors = read[0] if read is not None else load_file(weights_file)
     weights = {n: BlockWeight.from_parts(kind, n, tensors) for n, kind in blocks.items()}
     weights |= {n: t for n, t in tensors.items() if "::" not in n}
     return config, weights, tokenizer

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
+import math
 import mmap
 import sys
 
@@ -42,35 +44,100 @@ def _replace(w, moved: dict[int, torch.Tensor]):
     return w
 
 
+_RANGES: list[tuple[int, int]] = []  # the address ranges of the arenas made so far
+
+
+def in_huge_pages(t: torch.Tensor) -> bool:
+    """Whether ``t`` already lies in an arena (then it is not copied again)."""
+    p = t.data_ptr()
+    return any(a <= p < b for a, b in _RANGES)
+
+
 def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
+class Arena:
+    """One anonymous mapping advised as huge pages, handed out in page-aligned pieces."""
+
+    def __init__(self, sizes: list[int]):
+        self.length = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+        self.map = mmap.mmap(-1, self.length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.map.madvise(mmap.MADV_HUGEPAGE)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.offset = -start % HUGE_PAGE  # the first tensor on a huge page
+        _RANGES.append((start, start + len(self.map)))
+
+    @classmethod
+    def create(cls, sizes: list[int]) -> "Arena | None":
+        """An arena for tensors of these byte sizes, or None where huge pages cannot be had."""
+        if not supported() or not sizes:
+            return None
+        try:
+            return cls(sizes)
+        except (OSError, ValueError):
+            return None
+
+    def take(self, dtype: torch.dtype, shape) -> torch.Tensor:
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        view = torch.frombuffer(self.map, dtype=dtype, count=count, offset=self.offset).view(tuple(shape))
+        self.offset += -(-count * view.element_size() // ALIGN) * ALIGN
+        return view
+
+
 def into_huge_pages(weights: dict[str, object]) -> dict[str, object]:
     """The same weights (tensors, or dataclasses of tensors such as BlockWeight), the large CPU
-    tensors copied into one huge-page mapping. A tensor seen twice (a tied head) is copied once."""
-    if not supported():
-        return weights
-    seen: dict[int, torch.Tensor] = {}
+    tensors copied into one huge-page arena. The dict is updated in place, name by name, so that
+    each original can be freed once copied. A tensor seen twice (a tied head) is copied once.
+    (Weights read from a file go straight into the arena instead: ``read_safetensors``.)"""
+    sizes: dict[int, int] = {}
     for w in weights.values():
         for t in _tensors(w):
-            if t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() >= MIN_BYTES:
-                seen.setdefault(id(t), t)
-    if not seen:
+            big = t.numel() * t.element_size() >= MIN_BYTES
+            if t.device.type == "cpu" and t.is_contiguous() and big and not in_huge_pages(t):
+                sizes.setdefault(id(t), t.numel() * t.element_size())
+    arena = Arena.create(list(sizes.values()))
+    if arena is None:
         return weights
-    sizes = {k: -(-t.numel() * t.element_size() // ALIGN) * ALIGN for k, t in seen.items()}
-    length = sum(sizes.values()) + HUGE_PAGE
-    try:
-        arena = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        arena.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return weights
-    address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
-    offset = -address % HUGE_PAGE  # the first tensor on a huge-page boundary
-    moved = {}
-    for k, t in seen.items():
-        view = torch.frombuffer(arena, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
-        view.copy_(t)
-        moved[k] = view
-        offset += sizes[k]
-    return {name: _replace(w, moved) for name, w in weights.items()}
+    # ids are taken while every original is alive (in ``weights``), so they cannot collide
+    moved: dict[int, torch.Tensor] = {}
+    for name in list(weights):
+        for t in _tensors(weights[name]):
+            if id(t) in sizes and id(t) not in moved:
+                moved[id(t)] = arena.take(t.dtype, t.shape).copy_(t)
+        weights[name] = _replace(weights[name], moved)
+    return weights
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                       "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+                       "I64": torch.int64, "BOOL": torch.bool}
+
+
+def read_safetensors(path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """(tensors, metadata) of a safetensors file read straight into a huge-page arena, or None
+    where there are no huge pages (then use safetensors' own loader). safetensors' loader maps
+    the file, and copying its tensors into huge pages would hold the file's pages and the copy
+    at once: twice the weights at the peak. The format is an 8-byte header length, a JSON header
+    (dtype, shape, data offsets of each tensor) and the data."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        base = f.tell()
+        meta = header.pop("__metadata__", {}) or {}
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        if any(e["dtype"] not in _SAFETENSORS_DTYPES for _, e in entries):
+            return None
+        arena = Arena.create([e["data_offsets"][1] - e["data_offsets"][0] for _, e in entries])
+        if arena is None:
+            return None
+        tensors = {}
+        for name, e in entries:
+            start, end = e["data_offsets"]
+            t = arena.take(_SAFETENSORS_DTYPES[e["dtype"]], e["shape"])
+            f.seek(base + start)
+            if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != end - start:
+                raise ValueError(f"{path}: {name} is cut short")
+            tensors[name] = t
+    return tensors, meta

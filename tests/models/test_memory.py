@@ -1,0 +1,46 @@
+"""models/memory.py: weights in transparent huge pages, copied or read from a file, unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quickdraft.models import memory
+from quickdraft.models.ggml import BlockWeight
+
+pytestmark = pytest.mark.skipif(not memory.supported(), reason="no transparent huge pages on this system")
+
+
+def test_weights_are_moved_unchanged_and_a_tied_tensor_once():
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(300, 128, generator=g).to(torch.bfloat16)
+    block = BlockWeight("Q8_0", torch.randint(0, 255, (64, 1088), dtype=torch.uint8, generator=g), 1024)  # 2 records of 544 bytes a row
+    small = torch.ones(8)
+    weights = {"embed": embed, "head": embed, "blocks": block, "norm": small}
+    want = {"embed": embed.clone(), "data": block.data.clone()}
+    out = memory.into_huge_pages(weights)
+    assert out is weights  # updated in place
+    assert out["head"] is out["embed"] and torch.equal(out["embed"], want["embed"])
+    assert memory.in_huge_pages(out["embed"]) and out["embed"].data_ptr() % memory.ALIGN == 0
+    assert isinstance(out["blocks"], BlockWeight) and memory.in_huge_pages(out["blocks"].data)
+    assert torch.equal(out["blocks"].data, want["data"]) and out["blocks"].in_features == 1024
+    assert out["norm"] is small  # too small to be worth a page
+    assert memory.into_huge_pages(dict(out))["embed"] is out["embed"]  # not copied twice
+
+
+def test_a_safetensors_file_reads_as_safetensors_reads_it(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(70, 33, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16),
+               "c": torch.randint(0, 255, (1000,), dtype=torch.uint8, generator=g), "d": torch.tensor([7]),
+               "e": torch.empty(0, 4)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path), metadata={"blocks": "{}"})
+    got, meta = memory.read_safetensors(path)
+    want = load_file(str(path))
+    assert meta == {"blocks": "{}"} and got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    path.write_bytes(path.read_bytes()[:-10])  # cut short
+    with pytest.raises(ValueError, match="cut short"):
+        memory.read_safetensors(path)
