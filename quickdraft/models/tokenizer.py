@@ -209,14 +209,9 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, text: str) -> Tokenizer:
-        d = json.loads(text)
-        return cls(
-            tokenizers.Tokenizer.from_str(json.dumps(d["tokenizer"])),
-            bos_token_id=d["bos_token_id"],
-            eos_token_ids=d["eos_token_ids"],
-            add_bos_token=d["add_bos_token"],
-            chat_template=d["chat_template"],
-        )
+        """The tokenizer ``to_json`` wrote. A target and its draft share one (parsing a 150k-token
+        vocabulary takes about a second, and a tokenizer is never changed once built)."""
+        return _from_json(cls, text)
 
     # --- using ----------------------------------------------------------------------------
 
@@ -314,3 +309,15 @@ def _hf_chat_template(path: Path, cfg: Mapping[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default", next(iter(named.values()), None))
     return template
+
+
+@lru_cache(maxsize=4)
+def _from_json(cls, text: str) -> Tokenizer:
+    d = json.loads(text)
+    return cls(
+        tokenizers.Tokenizer.from_str(json.dumps(d["tokenizer"])),
+        bos_token_id=d["bos_token_id"],
+        eos_token_ids=d["eos_token_ids"],
+        add_bos_token=d["add_bos_token"],
+        chat_template=d["chat_template"],
+    )
