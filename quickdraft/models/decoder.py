@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, invariance
+from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, invariance, rowwise
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
@@ -95,7 +95,11 @@ def nbytes(w) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [n, hidden]: normalized in float32, returned in x's dtype (as Hugging Face's LlamaRMSNorm)."""
+    """x [n, hidden]: normalized in float32, returned in x's dtype (as Hugging Face's LlamaRMSNorm);
+    on the CPU in one call (kernels/rowwise.cpp)."""
+    kernels = rowwise() if x.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype else None
+    if kernels is not None and x.dtype in (torch.float32, torch.bfloat16):
+        return kernels.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -112,7 +116,11 @@ class Rotary:
         self.sin = angles.sin().float().to(device)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, head_dim], positions [n] -> rotated x (computed in float32)."""
+        """x [n, heads, head_dim], positions [n] -> rotated x (computed in float32; on the CPU in
+        one call, kernels/rowwise.cpp)."""
+        kernels = rowwise() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+        if kernels is not None:
+            return kernels.rotary(x, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         xf = x.float()

@@ -25,7 +25,7 @@ import torch
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp")  # compiled; tiles.h is included by both
+SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp")  # compiled; tiles.h is included by both
 HEADERS = ("tiles.h",)
 ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
@@ -89,6 +89,12 @@ def chain_attention():
     (row j over keys 0..ctx+j; see attention.cpp), or None."""
     module = _module()
     return None if module is None else module.attend_chain
+
+
+def rowwise():
+    """The compiled ``rms_norm(x, weight, eps)`` and ``rotary(x, cos, sin, positions)`` (see
+    rowwise.cpp), as the module that holds them, or None."""
+    return _module()
 
 
 def dense_linear(dtype: torch.dtype, device: torch.device | str):

@@ -199,10 +199,16 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int6
 // attention.cpp
 torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);
 
+// rowwise.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ w.T + b in bfloat16");
   m.def("linear_f32", &linear_f32, "x @ w.T + b in float32, batch invariant");
   m.def("linear_blocks", &linear_blocks, "x @ w.T + b: w in a GGUF block format as repacked by models/ggml.py, x quantized per block");
   m.def("attend_chain", &attend_chain, "row j of q attends over keys 0..ctx+j, batch invariant");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's");
+  m.def("rotary", &rotary, "rotate-half rotary embedding of each row");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
 }
