@@ -1,7 +1,8 @@
 """Hand-written CPU kernels, compiled on first use with torch's C++ extension loader and cached
-under ``$QUICKDRAFT_CACHE/extensions``: a bfloat16 and a float32 linear for the decoder, an int8
-linear (int8 weights and activations, W8A8) for draft models (linear.cpp), and linears over GGUF
-block weights as stored (blocks.cpp, models/ggml.py). Each has a plain torch fallback:
+under ``$QUICKDRAFT_CACHE/extensions/torch-<version>-<source hash>``: a bfloat16 and a float32
+linear for the decoder, an int8 linear (int8 weights and activations, W8A8) for draft models
+(linear.cpp), a linear over GGUF block weights as stored (blocks.cpp, models/ggml.py), a chain's
+attention (attention.cpp), and RMSNorm and rotary (rowwise.cpp). Each has a plain torch fallback:
 where the CPU lacks the instructions, the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the
 getters return None and the caller uses torch.
 
@@ -79,8 +80,8 @@ def int8_linear():
 
 
 def block_linear():
-    """The compiled GGUF block-format linears (``linear_u4``, ``linear_i8``: see blocks.cpp), as
-    the module that holds them, or None."""
+    """The module holding the compiled GGUF block-format linear (``linear_blocks``: see
+    blocks.cpp), or None."""
     return _module()
 
 

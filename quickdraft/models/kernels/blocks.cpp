@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "tiles.h"
 
@@ -38,7 +39,7 @@ namespace {
 
 // bytes ahead of each weight row's stream to prefetch: one row of a pass reads weights faster than
 // the hardware prefetcher alone brings them from memory (one row over the 1.5B's 28 gate
-// projections, AMD EPYC: 14.5 GB/s without, 22 GB/s with 4 KiB ahead, of ~45 GB/s)
+// projections, AMD EPYC, in the previous layout: 14.5 GB/s without, 22 GB/s with 4 KiB ahead)
 constexpr int64_t PREFETCH = 4096;
 
 // The formats (the same numbers as models/ggml.py's FORMATS).
@@ -110,25 +111,28 @@ struct Rows {
 
 inline int lanes(int64_t blocks, int64_t group) { return static_cast<int>(std::min<int64_t>(16, blocks - group * 16)); }
 
-// q = round-half-even(x / s), s = amax / 127 per block of L
-template <int KIND>
-void quantize(const torch::Tensor& x, int8_t* Q, float* XS, int32_t* INIT, float* QS, int64_t G) {
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bfloat16 is float32's upper half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// q = round-half-even(x / s), s = amax / 127 per block of L; x [M, K] contiguous, read as it is
+template <int KIND, typename T>
+void quantize_rows(const T* X, int64_t M, int64_t K, int8_t* Q, float* XS, int32_t* INIT, float* QS, int64_t G) {
   using F = Format<KIND>;
   constexpr int L = F::L;
-  const int64_t M = x.size(0), K = x.size(1), nb = K / L;
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const float* X = xf.data_ptr<float>();
+  const int64_t nb = K / L;
 #pragma omp parallel for schedule(static) if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
     std::memset(XS + m * G * 16, 0, G * 16 * sizeof(float));
     std::memset(INIT + m * G * 16, 0, G * 16 * sizeof(int32_t));
     std::memset(QS + m * G * 16, 0, G * 16 * sizeof(float));
     for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = X + m * K + b * L;
+      const T* xb = X + m * K + b * L;
       __m512 v[L / 16];
       __m512 amax = _mm512_setzero_ps();
       for (int h = 0; h < L / 16; ++h) {
-        v[h] = _mm512_loadu_ps(xb + 16 * h);
+        v[h] = load16(xb + 16 * h);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v[h]));
       }
       const float a = _mm512_reduce_max_ps(amax);
@@ -150,6 +154,23 @@ void quantize(const torch::Tensor& x, int8_t* Q, float* XS, int32_t* INIT, float
       QS[(m * G + group) * 16 + lane] = s * static_cast<float>(total);
     }
   }
+}
+
+template <int KIND>
+void quantize(const torch::Tensor& x, int8_t* Q, float* XS, int32_t* INIT, float* QS, int64_t G) {
+  if (x.scalar_type() == torch::kFloat32) {
+    quantize_rows<KIND>(x.data_ptr<float>(), x.size(0), x.size(1), Q, XS, INIT, QS, G);
+  } else {
+    quantize_rows<KIND>(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), Q, XS, INIT, QS, G);
+  }
+}
+
+// per-thread scratch for x's quantized rows and block figures: a call allocates nothing but its
+// output (at one row, five allocations were a good part of a small matrix's ~10 us)
+template <typename T>
+T* scratch(std::vector<T>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
 }
 
 template <int KIND, int MB, int NB>
@@ -265,14 +286,17 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t K, con
   const int64_t M = x.size(0), N = w.size(0), nb = K / F::L, G = (nb + 15) / 16;
   const int64_t row_bytes = (G - 1) * F::record(16) + F::record(lanes(nb, G - 1));
   TORCH_CHECK(w.size(1) == row_bytes, "w: ", w.size(1), " bytes a row, the layout needs ", row_bytes);
-  auto i8 = x.options().dtype(torch::kInt8);
-  auto q = torch::empty({M * K + 64}, i8);
-  auto xs = torch::empty({M, G, 16}, x.options().dtype(torch::kFloat32));
-  auto init = torch::empty({M, G, 16}, x.options().dtype(torch::kInt32));
-  auto qs = torch::empty({M, G, 16}, x.options().dtype(torch::kFloat32));
-  quantize<KIND>(x, q.data_ptr<int8_t>(), xs.data_ptr<float>(), init.data_ptr<int32_t>(), qs.data_ptr<float>(), G);
+  TORCH_CHECK(x.is_contiguous(), "x contiguous");
+  thread_local std::vector<int8_t> qbuf;
+  thread_local std::vector<float> xsbuf, qsbuf;
+  thread_local std::vector<int32_t> initbuf;
+  int8_t* q = scratch(qbuf, M * K + 64);
+  float* xs = scratch(xsbuf, M * G * 16);
+  int32_t* init = scratch(initbuf, M * G * 16);
+  float* qs = scratch(qsbuf, M * G * 16);
+  quantize<KIND>(x, q, xs, init, qs, G);
   auto out = torch::empty({M, N}, x.options());
-  const Rows rows{q.data_ptr<int8_t>(), xs.data_ptr<float>(), init.data_ptr<int32_t>(), qs.data_ptr<float>(), K, G};
+  const Rows rows{q, xs, init, qs, K, G};
   const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
   torch::Tensor b32;
   const float* B = nullptr;
