@@ -29,7 +29,7 @@ import sys
 import time
 
 from quickdraft.bench.datasets import Prompt
-from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.ggml import on_blocks
 
 ALPHA = 0.001  # the sampled check fails below this combined p value
 SLOTS = 16  # sequences decoding at once in the batched runs
@@ -109,8 +109,8 @@ def check(args) -> int:
     greedy = check_greedy(plain, speculative, decoder, prompts, ids, args.max_tokens, bar)
     sample = check_sampled(plain, speculative, [prompts[i] for i in sampled], [ids[i] for i in sampled], args, bar)
     bar.close()
-    on_blocks = any(isinstance(w, BlockWeight) for w in target.weights.values())
-    result = {"model": args.model, "dtype": args.dtype, "device": args.device, "quantization": "gguf" if on_blocks else None,
+    result = {"model": args.model, "dtype": args.dtype, "device": args.device,
+              "quantization": "gguf" if on_blocks(target.weights) else None,
               "speculative": {**spec.__dict__, "model": _name(spec.model)}, "kernels": kernels, "greedy": greedy,
               "sampled": sample}
     result.update(verdict(result, args.alpha))

@@ -20,7 +20,7 @@ from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
 from quickdraft.errors import ConfigError, PromptTooLongError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
-from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.ggml import on_blocks
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.proposers.base import ProposerContext, create_proposer
 from quickdraft.sampling import SamplingParams, make_generator
@@ -35,7 +35,7 @@ class Engine:
         dtype = config.torch_dtype
         quantization = config.quantization
         if target is not None and quantization == "auto":  # a draft loaded here follows the given target
-            quantization = "gguf" if any(isinstance(w, BlockWeight) for w in target.weights.values()) else None
+            quantization = "gguf" if on_blocks(target.weights) else None
         load = functools.partial(load_model, dtype=dtype, device=config.device, quantization=quantization)
         self.model = target if target is not None else load(config.model)
         self.tokenizer = self.model.tokenizer

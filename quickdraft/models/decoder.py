@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, invariance, rowwise
-from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.ggml import BlockWeight, on_blocks
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
 
@@ -97,9 +97,10 @@ def nbytes(w) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [n, hidden]: normalized in float32, returned in x's dtype (as Hugging Face's LlamaRMSNorm);
     on the CPU in one call (kernels/rowwise.cpp)."""
-    kernels = rowwise() if x.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype else None
-    if kernels is not None and x.dtype in (torch.float32, torch.bfloat16):
-        return kernels.rms_norm(x, weight, eps)
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        kernels = rowwise()
+        if kernels is not None:
+            return kernels.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -144,7 +145,7 @@ class Decoder:
         self.dtype = norm.dtype
         embed = weights["model.embed_tokens.weight"]
         self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
-        if quantize == "int8" and any(isinstance(w, BlockWeight) for w in weights.values()):
+        if quantize == "int8" and on_blocks(weights):
             raise ValueError("the weights are GGUF blocks already; int8 quantization applies to dense weights")
         if quantize == "int8":
             weights, self.lm_head = quantize_weights(weights, self.lm_head)
@@ -161,7 +162,7 @@ class Decoder:
     def batch_invariance(self) -> Invariance:
         """What this model's projections promise on this machine (a draft's int8 path is invariant
         too, but only the target's rounding can change the output)."""
-        blocks = any(isinstance(w, BlockWeight) for w in self.w.values()) or isinstance(self.lm_head, BlockWeight)
+        blocks = on_blocks(self.w) or isinstance(self.lm_head, BlockWeight)
         return invariance(self.dtype, self.device, blocks)
 
     @property
@@ -223,12 +224,12 @@ class Decoder:
         speculative decoding share) and token trees take one masked matmul for all rows."""
         out = []
         start = 0
+        kernel = chain_attention() if q.device.type == "cpu" and self.config.head_dim in CHAIN_HEAD_DIMS else None
         for i, (slot, ctx, qlen) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)):
             end = start + qlen
             kv.write(layer, slot, ctx, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             keys, values = kv.read(layer, slot, ctx + qlen)  # [kv_heads, L, d]
             tree = meta.masks is not None and meta.masks[i] is not None
-            kernel = chain_attention() if q.device.type == "cpu" and self.config.head_dim in CHAIN_HEAD_DIMS else None
             if tree or qlen > MAX_ROW_BY_ROW:
                 out.append(self._attend(q[start:end], keys.float(), values.float(), self._mask(meta, i, ctx, qlen, q.device)))
             elif kernel is not None:  # the same, one call (kernels/attention.cpp)

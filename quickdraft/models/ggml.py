@@ -181,6 +181,11 @@ def _read(f: Format, data: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
     return q, np.concatenate(scales, axis=1), np.concatenate(mins, axis=1) if f.has_min else None
 
 
+def on_blocks(weights) -> bool:
+    """Whether a model's weights (a dict by name) hold any matrix kept in its GGUF blocks."""
+    return any(isinstance(w, BlockWeight) for w in weights.values())
+
+
 @dataclass
 class BlockWeight:
     """A projection [out, in] in a GGUF block format, repacked for kernels/blocks.cpp."""

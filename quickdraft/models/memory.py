@@ -4,10 +4,12 @@ A CPU decoding step reads every weight once, front to back. In 4 KiB pages that 
 and a page walk every 4 KiB, and the hardware prefetchers stop at every page boundary; with
 2 MiB pages neither happens. Linux gives huge pages to anonymous memory advised with
 MADV_HUGEPAGE when transparent huge pages are "madvise" (the common default) or "always", which
-torch's allocator does not ask for. So ``into_huge_pages`` copies the weights once, at load, into
-one anonymous mapping so advised, 2 MiB aligned; everything else (other systems, "never", a
-mapping refused) leaves the weights where they are. Measured on the 1.5B's Q4_K gate projection
-streamed from memory, one row of activations: see README, "GGUF models on their stored blocks".
+torch's allocator does not ask for. So the weights go, once, at load, into one anonymous mapping
+so advised, 2 MiB aligned (an ``Arena``): ``read_safetensors`` reads the conversion cache's file
+straight into it, ``into_huge_pages`` copies tensors already in memory. Elsewhere (other
+systems, "never", a mapping refused) the weights stay where they are. Measured on an AMD EPYC:
+one thread's ``torch.sum`` over 256 MiB read 24.9 GB/s in 4 KiB pages and 34.0 in huge pages;
+the 1.5B's whole decoding step took 41.7 ms against 36.9 (medians of 5 alternating runs).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def _replace(w, moved: dict[int, torch.Tensor]):
     return w
 
 
-_RANGES: list[tuple[int, int]] = []  # the address ranges of the arenas made so far
+# the address ranges of the arenas made so far (a range outlives its arena: at worst a tensor
+# later allocated there is left where it is)
+_RANGES: list[tuple[int, int]] = []
 
 
 def in_huge_pages(t: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ from quickdraft.engine.cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
-from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.ggml import BlockWeight, on_blocks
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
@@ -61,7 +61,7 @@ class DraftModelProposer:
         draft = ctx.load_model(spec.model)
         check_same_vocabulary(ctx.target, draft)
         quantize = spec.quantization
-        stored = any(isinstance(w, BlockWeight) for w in draft.weights.values())
+        stored = on_blocks(draft.weights)
         if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
             quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
         if quantize == "int8" and stored:

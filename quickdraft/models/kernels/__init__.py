@@ -26,8 +26,8 @@ import torch
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp")  # compiled; tiles.h is included by both
-HEADERS = ("tiles.h",)
+SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp")  # compiled into one module
+HEADERS = ("tiles.h",)  # included by linear.cpp and blocks.cpp
 ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
 
