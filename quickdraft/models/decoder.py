@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, invariance, rowwise
+from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, fused_layer, invariance, rowwise
 from quickdraft.models.ggml import BlockWeight, on_blocks
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
@@ -157,6 +157,7 @@ class Decoder:
         self.w = weights
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings, self.device)
         self.scale = config.head_dim**-0.5
+        self._fused = self._fused_layers()
 
     @property
     def batch_invariance(self) -> Invariance:
@@ -188,14 +189,64 @@ class Decoder:
             x = embed.dequantize(self.dtype, rows=tokens)  # [num_tokens, hidden]
         else:
             x = embed[tokens]  # [num_tokens, hidden]
+        fused = self._fused if self._fused is not None and self._chains(meta) else None
         for layer in range(num_layers if num_layers is not None else self.num_layers):
-            x = self._block(layer, x, positions, kv, meta)
+            if fused is not None:
+                x = self._fused_block(fused, layer, x, positions, kv, meta)
+            else:
+                x = self._block(layer, x, positions, kv, meta)
         return rms_norm(x, self.w["model.norm.weight"], self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] in float32."""
         return linear(hidden, self.lm_head).float()
+
+    # -- one call a layer (kernels/layer.cpp) -------------------------------------------------
+    _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+    def _fused_layers(self):
+        """Per layer, the weights, formats and biases kernels/layer.cpp takes, where it runs: on a
+        CPU with the kernels, head sizes the chain attention takes, and every projection either
+        GGUF blocks or dense in the activations' dtype (the int8 draft format keeps the Python
+        path). None elsewhere."""
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if fused_layer() is None or self.config.head_dim not in CHAIN_HEAD_DIMS:
+            return None
+        layers = []
+        for layer in range(self.num_layers):
+            p = f"model.layers.{layer}."
+            kinds = []
+            for name in self._PROJECTIONS:
+                w = self.w[p + name + ".weight"]
+                if isinstance(w, BlockWeight):
+                    kinds.append(w.format.kind)
+                elif isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.is_contiguous():
+                    kinds.append(-1)  # layer.cpp's DENSE
+                else:
+                    return None
+            data = [w.data if isinstance(w, BlockWeight) else w
+                    for w in (self.w[p + n + ".weight"] for n in self._PROJECTIONS)]
+            weights = [self.w[p + "input_layernorm.weight"], *data[:4], self.w[p + "post_attention_layernorm.weight"], *data[4:]]
+            biases = [self.w.get(p + n + ".bias") for n in self._PROJECTIONS[:3]]
+            layers.append((weights, kinds, biases))
+        return layers
+
+    @staticmethod
+    def _chains(meta: AttentionMetadata) -> bool:
+        """Whether every sequence's new tokens are a causal chain that attends row by row."""
+        return (meta.masks is None or all(m is None for m in meta.masks)) and max(meta.query_lens) <= MAX_ROW_BY_ROW
+
+    def _fused_block(self, fused, layer, x, positions, kv, meta) -> torch.Tensor:
+        """_block in one call: the same kernels and torch operations in the same order, so the
+        same bits (tests/models/test_fused_layer.py)."""
+        weights, kinds, biases = fused[layer]
+        c = self.config
+        return fused_layer()(x, positions, weights, kinds, biases, self.rotary.cos, self.rotary.sin,
+                             kv.keys[layer], kv.values[layer], meta.slots, meta.context_lens, meta.query_lens,
+                             c.num_heads, c.num_kv_heads, c.rms_norm_eps, self.scale)
 
     def _block(self, layer, x, positions, kv, meta) -> torch.Tensor:
         c, p = self.config, f"model.layers.{layer}."

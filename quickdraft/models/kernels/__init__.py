@@ -2,7 +2,8 @@
 under ``$QUICKDRAFT_CACHE/extensions/torch-<version>-<source hash>``: a bfloat16 and a float32
 linear for the decoder, an int8 linear (int8 weights and activations, W8A8) for draft models
 (linear.cpp), a linear over GGUF block weights as stored (blocks.cpp, models/ggml.py), a chain's
-attention (attention.cpp), and RMSNorm and rotary (rowwise.cpp). Each has a plain torch fallback:
+attention (attention.cpp), RMSNorm and rotary (rowwise.cpp), and a whole decoder layer made of
+them (layer.cpp). Each has a plain torch fallback:
 where the CPU lacks the instructions, the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the
 getters return None and the caller uses torch.
 
@@ -26,7 +27,7 @@ import torch
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp")  # compiled into one module
+SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp")  # compiled into one module
 HEADERS = ("tiles.h",)  # included by linear.cpp and blocks.cpp
 ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
@@ -96,6 +97,13 @@ def rowwise():
     """The compiled ``rms_norm(x, weight, eps)`` and ``rotary(x, cos, sin, positions)`` (see
     rowwise.cpp), as the module that holds them, or None."""
     return _module()
+
+
+def fused_layer():
+    """The compiled ``decoder_layer`` (one decoder layer for chains of new tokens in one call; see
+    layer.cpp), or None."""
+    module = _module()
+    return None if module is None else module.decoder_layer
 
 
 def dense_linear(dtype: torch.dtype, device: torch.device | str):

@@ -203,6 +203,13 @@ torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor va
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions);
 
+// layer.cpp
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
+                            std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
+                            std::vector<int64_t> context_lens, std::vector<int64_t> query_lens, int64_t heads, int64_t kv_heads,
+                            double eps, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ w.T + b in bfloat16");
   m.def("linear_f32", &linear_f32, "x @ w.T + b in float32, batch invariant");
@@ -211,4 +218,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's");
   m.def("rotary", &rotary, "rotate-half rotary embedding of each row");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
+  m.def("decoder_layer", &decoder_layer, "one decoder layer for chains of new tokens: the Python path's kernels in one call");
 }

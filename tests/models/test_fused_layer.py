@@ -1,0 +1,108 @@
+"""kernels/layer.cpp runs a decoder layer in one call; it must be the Python path bit for bit.
+
+Both paths run the same passes on their own KV caches (several sequences, chains of 1 to 32 new
+tokens, a partial-depth pass as self-speculation runs), with dense float32 and bfloat16 weights
+and with every GGUF block format; hidden states and caches must be equal, not close. Where the
+fused path does not apply (token trees, long prefills, the int8 draft format) the decoder must
+take the Python path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.models.ggml import BLOCKS, BlockWeight
+from quickdraft.models.kernels import fused_layer
+from quickdraft.models.tiny import random_weights, tiny_config
+
+pytestmark = pytest.mark.skipif(fused_layer() is None, reason="the CPU kernels are not available here")
+
+# one format a projection, so that every format passes through the fused layer
+KINDS = {"q_proj": "Q4_K", "k_proj": "Q4_0", "v_proj": "Q6_K", "o_proj": "Q8_0", "gate_proj": "Q5_0",
+         "up_proj": "Q4_1", "down_proj": "Q4_K"}
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+def random_block_weight(kind: str, shape: tuple[int, int], rng: np.random.Generator) -> BlockWeight:
+    rows, cols = shape
+    per_block, nbytes = BLOCKS[kind]
+    raw = rng.integers(0, 256, size=(rows * cols // per_block, nbytes), dtype=np.uint8)
+    for at in F16_FIELDS[kind]:  # sane float16 scales; the rest of the bytes random
+        scale = (rng.uniform(0.002, 0.02, size=len(raw)) * rng.choice([-1, 1], size=len(raw))).astype(np.float16)
+        raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return BlockWeight.from_gguf(kind, raw, shape)
+
+
+def model(dtype: torch.dtype, blocks: bool) -> Decoder:
+    config = tiny_config(hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2)  # head_dim 64
+    weights = random_weights(config, seed=3, dtype=dtype)
+    if blocks:
+        rng = np.random.default_rng(0)
+        for name, w in list(weights.items()):
+            kind = KINDS.get(name.split(".")[-2])
+            if kind is not None and name.endswith(".weight"):
+                weights[name] = random_block_weight(kind, tuple(w.shape), rng)
+    return Decoder(config, weights)
+
+
+def run(decoder: Decoder, fused: bool, passes) -> tuple[list[torch.Tensor], KVCache]:
+    keep = decoder._fused
+    decoder._fused = keep if fused else None
+    kv = KVCache(decoder.config, 3, 128, decoder.dtype)
+    outs = []
+    try:
+        for meta, layers in passes:
+            tokens = torch.arange(sum(meta.query_lens)) * 7 % decoder.config.vocab_size
+            outs.append(decoder.forward(tokens, meta.positions("cpu"), kv, meta, num_layers=layers))
+    finally:
+        decoder._fused = keep
+    return outs, kv
+
+
+PASSES = [
+    (AttentionMetadata.chain([0, 2], [0, 0], [40, 9]), None),  # prefills (40 rows: the Python path in both)
+    (AttentionMetadata.chain([0, 2], [40, 9], [1, 5]), None),  # a plain step and a verification pass together
+    (AttentionMetadata.chain([1], [0], [32]), None),  # the longest chain attended row by row
+    (AttentionMetadata.chain([2], [14], [3]), 1),  # the first layer only (self-speculation's draft)
+    (AttentionMetadata.chain([0, 1, 2], [41, 32, 17], [4, 1, 2]), None),
+]
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["dense", "blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fused_layer_is_the_python_path_bit_for_bit(dtype, blocks):
+    decoder = model(dtype, blocks)
+    assert decoder._fused is not None
+    fused, kv_fused = run(decoder, True, PASSES)
+    python, kv_python = run(decoder, False, PASSES)
+    for i, (a, b) in enumerate(zip(fused, python)):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b), f"pass {i}: largest difference {(a.float() - b.float()).abs().max()}"
+    for layer in range(decoder.num_layers):
+        assert torch.equal(kv_fused.keys[layer], kv_python.keys[layer])
+        assert torch.equal(kv_fused.values[layer], kv_python.values[layer])
+
+
+def test_fused_layer_is_used_only_for_chains():
+    decoder = model(torch.float32, blocks=False)
+    calls = []
+    original = decoder._fused_block
+    decoder._fused_block = lambda *a: calls.append(1) or original(*a)
+    kv = KVCache(decoder.config, 1, 128, decoder.dtype)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two branches after a root
+    for meta in (AttentionMetadata.chain([0], [0], [33]), AttentionMetadata([0], [33], [3], [tree])):
+        decoder.forward(torch.zeros(sum(meta.query_lens), dtype=torch.long),
+                        torch.arange(meta.context_lens[0], meta.context_lens[0] + meta.query_lens[0]), kv, meta)
+    assert not calls  # a 33-row prefill and a token tree take the Python path
+    meta = AttentionMetadata.chain([0], [36], [2])
+    decoder.forward(torch.zeros(2, dtype=torch.long), meta.positions("cpu"), kv, meta)
+    assert len(calls) == decoder.num_layers
+
+
+def test_int8_draft_keeps_the_python_path():
+    config = tiny_config(hidden_size=256, num_heads=4, num_kv_heads=2)
+    decoder = Decoder(config, random_weights(config, dtype=torch.bfloat16), quantize="int8")
+    assert decoder._fused is None
