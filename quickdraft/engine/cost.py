@@ -7,8 +7,8 @@ are a few rows), and the target's cost grows with the batch's total rows. A fixe
 batch-size switch (vLLM's ``disable_by_batch_size``) is right for one workload and wrong for the
 next, so the engine plans each step the way SmartSpec (Liu et al. 2024, "goodput") does:
 
-* ``LinearCost``: seconds = a + b * rows + s * chains + c * keys read, for one pass of a model,
-  fitted by least squares to a short calibration at start-up (9 s for a 1.5B on this CPU,
+* ``LinearCost``: seconds = a + b * rows + b' * max(0, rows - KNEE) + s * chains + c * keys
+  read, for one pass of a model (rows cost less while a pass is short: see KNEE), fitted by least squares to a short calibration at start-up (9 s for a 1.5B on this CPU,
   once per loaded model and process) and refitted to the passes the engine times afterwards, so
   the model follows the machine (a shared machine's speed drifts).
 * Each sequence's acceptance rate alpha is estimated from its own recent passes, shrunk towards
@@ -42,6 +42,12 @@ import torch
 CALIBRATION = ((1, 1, 0), (1, 4, 0), (1, 16, 0), (1, 32, 0), (1, 1, 256), (1, 8, 256), (4, 1, 256),
                (4, 4, 256), (8, 2, 256))
 RECENT = 64  # passes kept for the refit
+# Rows past this many cost more each: the stored-block kernels are near the memory bound for a few
+# rows and compute bound past it (the 1.5B here: ~8 ms a row from 1 to 4 rows, ~12 past 8; the
+# 0.5B draft: ~1.5 ms a row, then ~4). One straight line through 1..32 rows put the 1.5B's one-row
+# pass at 31 ms for a measured 36-43 and the draft's at 10.5 for 13.5-14, and so planned no
+# drafts for a draft model whose fixed K=4 was faster than plain decoding.
+KNEE = 4
 ANCHOR_WEIGHT = 2.0  # a calibration point weighs as much as this many timed passes
 
 
@@ -51,7 +57,8 @@ def key_reads(context: int, rows: int) -> int:
 
 
 class LinearCost:
-    """seconds = a + b * rows + s * chains + c * key_reads, for one forward pass of one model.
+    """seconds = a + b * rows + b_more * max(0, rows - KNEE) + s * chains + c * key_reads, for one
+    forward pass of one model.
 
     Fitted by weighted least squares with every coefficient kept >= 0 (a feature that comes out
     negative is dropped and the rest refitted); a feature the points do not vary is left at 0.
@@ -67,24 +74,29 @@ class LinearCost:
     @staticmethod
     def _point(*p) -> tuple[float, ...]:
         rows, chains, keys, seconds = (p[0], 1, 0, p[1]) if len(p) == 2 else p
-        return (1.0, float(rows), float(chains), float(keys), float(seconds))
+        return (1.0, float(rows), float(max(0, rows - KNEE)), float(chains), float(keys), float(seconds))
 
     @property
     def coef(self) -> np.ndarray:
-        """[a, b, s, c]. A draft model observes K passes a step and the plan reads the fit once,
-        so the least squares run on the first read after new observations, not on each."""
+        """[a, b, b_more, s, c]. A draft model observes K passes a step and the plan reads the fit
+        once, so the least squares run on the first read after new observations, not on each."""
         if self._coef is None:
             self._coef = self._fit()
         return self._coef
 
     a = property(lambda self: self.coef[0])
     b = property(lambda self: self.coef[1])
-    per_chain = property(lambda self: self.coef[2])
-    per_key = property(lambda self: self.coef[3])
+    b_more = property(lambda self: self.coef[2])
+    per_chain = property(lambda self: self.coef[3])
+    per_key = property(lambda self: self.coef[4])
 
     def __call__(self, rows: int, chains: int = 1, keys: int = 0) -> float:
-        a, b, s, c = self.coef
-        return a + b * rows + s * chains + c * keys
+        a, b, b_more, s, c = self.coef
+        return a + b * rows + b_more * max(0, rows - KNEE) + s * chains + c * keys
+
+    def row_cost(self, rows: int) -> float:
+        """Seconds one more row adds to a pass of ``rows`` rows."""
+        return self.b + (self.b_more if rows >= KNEE else 0.0)
 
     def observe(self, rows: int, seconds: float, chains: int = 1, keys: int = 0) -> None:
         self._recent.append(self._point(rows, chains, keys, seconds))
@@ -93,10 +105,10 @@ class LinearCost:
     def _fit(self) -> np.ndarray:
         pts = np.array(self._anchors + list(self._recent))
         w = np.sqrt(np.array([ANCHOR_WEIGHT] * len(self._anchors) + [1.0] * len(self._recent)))
-        x, y = pts[:, :4], pts[:, 4]
-        coef = np.zeros(4)
+        x, y = pts[:, :5], pts[:, 5]
+        coef = np.zeros(5)
         # the intercept, and each feature the points vary
-        active = [0] + [j for j in range(1, 4) if np.ptp(x[:, j]) > 0]
+        active = [0] + [j for j in range(1, 5) if np.ptp(x[:, j]) > 0]
         if active == [0]:  # one shape only: no slope to learn, so assume rows cost in proportion
             coef[1] = float(np.average(y, weights=w**2)) / max(x[0, 1], 1.0)
             return coef
@@ -110,8 +122,9 @@ class LinearCost:
         return coef
 
     def to_dict(self) -> dict:
-        a, b, s, c = self.coef
-        return {"a_s": float(a), "b_s_per_row": float(b), "s_per_chain": float(s), "s_per_1k_keys": float(c * 1000)}
+        a, b, b_more, s, c = self.coef
+        return {"a_s": float(a), "b_s_per_row": float(b), "knee_rows": KNEE, "b_s_per_row_past_knee": float(b + b_more),
+                "s_per_chain": float(s), "s_per_1k_keys": float(c * 1000)}
 
 
 # Calibration points by (weights in memory, kind, shapes, threads): engines that share a loaded
@@ -216,7 +229,7 @@ class Acceptance:
         self.hits = self.decay * self.hits + num_accepted
         self.misses = self.decay * self.misses + (1.0 if num_accepted < num_drafts else 0.0)
 
-    def rate(self, prior: float, prior_weight: float = 2.0) -> float:
+    def rate(self, prior: float, prior_weight: float = 4.0) -> float:
         """The posterior mean, with ``prior_weight`` pseudo-trials at ``prior``."""
         return (self.hits + prior_weight * prior) / (self.hits + self.misses + prior_weight)
 
@@ -240,18 +253,20 @@ def plan_draft_lengths(
     For each draft depth L the fixed cost is L draft passes; then draft tokens are added in
     order of their expected gain alpha_i^j while each one's gain per second beats the step's
     tokens per second so far (adding a better-than-average item raises the average). The best L
-    wins. A token's cost is one target row and one draft row (one chain of a draft pass), both
-    dearer for a longer context, plus the draft's catch-up rows for a sequence's first draft."""
+    wins. A token's cost is one target row and one draft row (one chain of a draft pass), each
+    priced at the row count its pass has reached (``LinearCost.row_cost``), both dearer for a
+    longer context, plus the draft's catch-up rows for a sequence's first draft."""
     batch = len(alphas)
     pending = pending or [1] * batch
     contexts = contexts or [0] * batch
     catchup = catchup or [0.0] * batch
     base = target(sum(pending), batch, sum(key_reads(c, p) for c, p in zip(contexts, pending)))
     ctx = [c + p for c, p in zip(contexts, pending)]  # where a sequence's drafts start
-    token_cost = [target.b + target.per_key * ctx[i] for i in range(batch)]
+    # besides the rows' own cost, which depends on how many rows their pass has (see KNEE)
+    token_cost = [target.per_key * ctx[i] for i in range(batch)]
     if draft is not None:
         for i in range(batch):
-            token_cost[i] += draft.b + draft.per_chain + draft.per_key * ctx[i]
+            token_cost[i] += draft.per_chain + draft.per_key * ctx[i]
     first_cost = [draft.b * catchup[i] + draft.per_key * catchup[i] * ctx[i] if draft is not None else 0.0
                   for i in range(batch)]
     a_d = draft.a if draft is not None else 0.0
@@ -263,14 +278,19 @@ def plan_draft_lengths(
         )
         ks = [0] * batch
         tokens, seconds = float(batch), base + depth * a_d
+        rows, chains = sum(pending), [0] * (depth + 1)  # the target pass's rows; each draft pass's chains
         for gain, i, j in items:
             if ks[i] != j - 1:
                 continue  # its earlier draft was not worth it, so this one is not either
-            cost = token_cost[i] + (first_cost[i] if j == 1 else 0.0)
+            cost = token_cost[i] + target.row_cost(rows) + (first_cost[i] if j == 1 else 0.0)
+            if draft is not None:
+                cost += draft.row_cost(chains[j])
             if gain * seconds > tokens * cost:
                 ks[i] = j
                 tokens += gain
                 seconds += cost
+                rows += 1
+                chains[j] += 1
         if any(ks) and tokens / seconds > best_rate:
             best_ks, best_rate = ks, tokens / seconds
     return best_ks

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from quickdraft.engine.cost import Acceptance, LinearCost, expected_tokens, plan_draft_lengths, step_rate
+from quickdraft.engine.cost import KNEE, Acceptance, LinearCost, expected_tokens, plan_draft_lengths, step_rate
 
 
 def test_linear_cost_fits_its_points_and_follows_what_it_observes():
@@ -32,6 +32,34 @@ def test_linear_cost_never_goes_negative():
     assert cost.b == 0.0 and cost.a > 0
     single = LinearCost([(4, 0.2)])  # no slope to learn: rows are assumed to cost in proportion
     assert single(8) == pytest.approx(0.4)
+
+
+def test_rows_past_the_knee_cost_more():
+    truth = lambda r: 0.03 + 0.008 * r + 0.004 * max(0, r - KNEE)  # noqa: E731
+    cost = LinearCost([(r, truth(r)) for r in (1, 2, 4, 8, 16, 32)])
+    assert (cost.a, cost.b, cost.b_more) == pytest.approx((0.03, 0.008, 0.004))
+    assert cost.row_cost(1) == pytest.approx(0.008) and cost.row_cost(KNEE) == pytest.approx(0.012)
+    assert cost(5) == pytest.approx(truth(5)) and cost(40) == pytest.approx(truth(40))
+    straight = LinearCost([(r, 0.03 + 0.01 * r) for r in (1, 4, 8, 32)])
+    assert straight.b_more == pytest.approx(0.0, abs=1e-12) and straight.row_cost(8) == pytest.approx(0.01)
+
+
+# passes measured here (AMD EPYC, 2 cores, stored Q4_K_M blocks; rows, chains, keys, seconds)
+TARGET_1_5B = [(1, 1, 1, 0.0434), (4, 1, 10, 0.0647), (16, 1, 136, 0.2062), (32, 1, 528, 0.4262), (1, 1, 257, 0.0361),
+               (8, 1, 2084, 0.1083), (4, 4, 1028, 0.0758), (16, 4, 4136, 0.2230), (16, 8, 4120, 0.2399)]
+DRAFT_0_5B = [(1, 1, 1, 0.0135), (4, 1, 10, 0.0182), (16, 1, 136, 0.0707), (32, 1, 528, 0.1417), (1, 1, 257, 0.0140),
+              (8, 1, 2084, 0.0368), (4, 4, 1028, 0.0274), (16, 4, 4136, 0.0815), (16, 8, 4120, 0.0766)]
+
+
+def test_measured_costs_plan_long_drafts_for_a_good_draft_model():
+    """One straight line through these points put a one-row target pass at 31 ms (36-43 measured)
+    and a draft pass at 10.5 (13.5-14): the plan then preferred K = 1, where fixed K = 4 was faster."""
+    target, draft = LinearCost(TARGET_1_5B), LinearCost(DRAFT_0_5B)
+    assert target(1, 1, 200) == pytest.approx(0.040, abs=0.005) and draft(1, 1, 200) == pytest.approx(0.0137, abs=0.002)
+    plan = plan_draft_lengths([0.9], [4], target, draft, contexts=[200])
+    assert plan[0] >= 3
+    assert step_rate(plan, [0.9], target, draft, [200]) > 1.2 * step_rate([0], [0.9], target, draft, [200])
+    assert plan_draft_lengths([0.4], [4], target, draft, contexts=[200]) == [0]
 
 
 def test_expected_tokens():
