@@ -246,7 +246,8 @@ def plan_draft_lengths(
     draft: LinearCost | None,  # None: drafts cost nothing to make (ngram)
     pending: list[int] | None = None,  # [batch] tokens each feeds the target whatever the plan (default 1)
     contexts: list[int] | None = None,  # [batch] tokens each has in the target's cache (default 0)
-    catchup: list[float] | None = None,  # [batch] rows the draft must read before it drafts (or a share)
+    catchup: list[float] | None = None,  # [batch] rows the draft must read before it drafts
+    shares: list[float] | None = None,  # [batch] steps that catch-up's cost is shared over (default 1)
 ) -> list[int]:
     """The K_i that maximize expected tokens per second of this step; [0] * batch = plain.
 
@@ -267,8 +268,10 @@ def plan_draft_lengths(
     if draft is not None:
         for i in range(batch):
             token_cost[i] += draft.per_chain + draft.per_key * ctx[i]
-    first_cost = [draft.b * catchup[i] + draft.per_key * catchup[i] * ctx[i] if draft is not None else 0.0
-                  for i in range(batch)]
+    shares = shares or [1.0] * batch
+    # catch-up rows ride on the first draft pass, a long one for a prompt: rows past KNEE at their dearer rate
+    first_cost = [(draft.b * catchup[i] + draft.b_more * max(0.0, catchup[i] + 1 - KNEE) + draft.per_key * catchup[i] * ctx[i])
+                  / shares[i] if draft is not None else 0.0 for i in range(batch)]
     a_d = draft.a if draft is not None else 0.0
     best_ks, best_rate = [0] * batch, batch / max(base, 1e-9)
     for depth in range(1, max(caps, default=0) + 1):

@@ -111,24 +111,17 @@ class Engine:
             return caps
         prior = self.acceptance.rate(0.5)
         # A sequence without drafts for probe_interval steps is planned as if its drafts were
-        # good, and drafts at least one token if perfect drafts would pay at all: a probe that
-        # fails costs a row and a draft pass, one that succeeds shows that its text has turned
-        # predictable. (A planned probe of one token never ran for a draft model: one draft
-        # token alone does not pay for a draft pass, so a sequence that started below the
-        # break-even rate stayed plain for good.)
+        # good (with its whole cap: one draft token alone rarely pays for a draft model's pass):
+        # a probe that fails costs its rows, one that succeeds shows that its text has turned
+        # predictable.
         due = [s.steps_without_drafts >= spec.probe_interval for s in seqs]
         alphas = [max(prior, PROBE_ACCEPTANCE) if d else s.acceptance.rate(prior) for s, d in zip(seqs, due)]
         # The draft reads a sequence's unseen tokens once (its prompt, or what it missed while it
         # did not draft), and drafts from then on: that cost is shared by the steps still to come.
-        catchup = [self.proposer.catchup_rows(s) / max(1.0, room / expected_tokens(alpha, cap))
-                   for s, room, alpha, cap in zip(seqs, rooms, alphas, caps)]
-        plan = functools.partial(plan_draft_lengths, target=self.runner.target_cost, draft=self.proposer.cost)
-        pending, cached = [s.num_pending for s in seqs], [s.num_cached for s in seqs]
-        ks = plan(alphas, caps, pending=pending, contexts=cached, catchup=catchup)
-        for i, (k, d, c) in enumerate(zip(ks, due, caps)):
-            if d and c and not k and plan([1.0], [c], pending=[pending[i]], contexts=[cached[i]], catchup=[catchup[i]])[0]:
-                ks[i] = 1
-        return ks
+        catchup = [self.proposer.catchup_rows(s) for s in seqs]
+        shares = [max(1.0, room / expected_tokens(alpha, cap)) for room, alpha, cap in zip(rooms, alphas, caps)]
+        return plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
+                                  [s.num_pending for s in seqs], [s.num_cached for s in seqs], catchup, shares)
 
     def _postprocess(self, r: StepResult) -> RequestOutput:
         seq = r.seq
