@@ -15,14 +15,23 @@ import torch
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BLOCKS, BlockWeight
+from quickdraft.models.kernels import block_linear as fused_layer_module
 from quickdraft.models.kernels import fused_layer
 from quickdraft.models.tiny import random_weights, tiny_config
 
 pytestmark = pytest.mark.skipif(fused_layer() is None, reason="the CPU kernels are not available here")
 
-# one format a projection, so that every format passes through the fused layer
-KINDS = {"q_proj": "Q4_K", "k_proj": "Q4_0", "v_proj": "Q6_K", "o_proj": "Q8_0", "gate_proj": "Q5_0",
-         "up_proj": "Q4_1", "down_proj": "Q4_K"}
+# "mixed": one format a projection, so that every format passes through the fused layer alone;
+# "runs": q, k, v of one format and gate, up of another (each run is one linear_blocks_many call);
+# "q4_k_m": q and k of one format, v of another, as in the layers of a Q4_K_M file
+LAYOUTS = {
+    "mixed": {"q_proj": "Q4_K", "k_proj": "Q4_0", "v_proj": "Q6_K", "o_proj": "Q8_0", "gate_proj": "Q5_0",
+              "up_proj": "Q4_1", "down_proj": "Q4_K"},
+    "runs": {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q5_0", "o_proj": "Q4_0", "gate_proj": "Q4_K",
+             "up_proj": "Q4_K", "down_proj": "Q6_K"},
+    "q4_k_m": {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K", "gate_proj": "Q4_K",
+               "up_proj": "Q4_K", "down_proj": "Q6_K"},
+}
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
 
 
@@ -36,13 +45,14 @@ def random_block_weight(kind: str, shape: tuple[int, int], rng: np.random.Genera
     return BlockWeight.from_gguf(kind, raw, shape)
 
 
-def model(dtype: torch.dtype, blocks: bool) -> Decoder:
+def model(dtype: torch.dtype, layout: str | None) -> Decoder:
+    """A 2-layer model with dense weights (layout None) or GGUF blocks in ``LAYOUTS[layout]``."""
     config = tiny_config(hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2)  # head_dim 64
     weights = random_weights(config, seed=3, dtype=dtype)
-    if blocks:
+    if layout is not None:
         rng = np.random.default_rng(0)
         for name, w in list(weights.items()):
-            kind = KINDS.get(name.split(".")[-2])
+            kind = LAYOUTS[layout].get(name.split(".")[-2])
             if kind is not None and name.endswith(".weight"):
                 weights[name] = random_block_weight(kind, tuple(w.shape), rng)
     return Decoder(config, weights)
@@ -71,10 +81,10 @@ PASSES = [
 ]
 
 
-@pytest.mark.parametrize("blocks", [False, True], ids=["dense", "blocks"])
+@pytest.mark.parametrize("layout", [None, *LAYOUTS], ids=["dense", *LAYOUTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_fused_layer_is_the_python_path_bit_for_bit(dtype, blocks):
-    decoder = model(dtype, blocks)
+def test_fused_layer_is_the_python_path_bit_for_bit(dtype, layout):
+    decoder = model(dtype, layout)
     assert decoder._fused is not None
     fused, kv_fused = run(decoder, True, PASSES)
     python, kv_python = run(decoder, False, PASSES)
@@ -87,7 +97,7 @@ def test_fused_layer_is_the_python_path_bit_for_bit(dtype, blocks):
 
 
 def test_fused_layer_is_used_only_for_chains():
-    decoder = model(torch.float32, blocks=False)
+    decoder = model(torch.float32, None)
     calls = []
     original = decoder._fused_block
     decoder._fused_block = lambda *a: calls.append(1) or original(*a)
@@ -106,3 +116,17 @@ def test_int8_draft_keeps_the_python_path():
     config = tiny_config(hidden_size=256, num_heads=4, num_kv_heads=2)
     decoder = Decoder(config, random_weights(config, dtype=torch.bfloat16), quantize="int8")
     assert decoder._fused is None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 11])
+def test_many_weights_in_one_call_are_one_call_each(rows):
+    rng = np.random.default_rng(1)
+    ws = [random_block_weight("Q4_K", (n, 512), rng) for n in (96, 32, 32)]
+    biases = [torch.randn(96), None, torch.randn(32)]
+    x = torch.randn(rows, 512).to(torch.bfloat16)
+    many = fused_layer_module().linear_blocks_many(x, [w.data for w in ws], ws[0].format.kind, 512, biases)
+    for w, b, y in zip(ws, biases, many):
+        assert torch.equal(y, w.linear(x, b))
+    with pytest.raises(RuntimeError, match="bytes a row"):  # one format and one K, or a clear error
+        fused_layer_module().linear_blocks_many(x, [ws[0].data, random_block_weight("Q4_K", (8, 256), rng).data],
+                                                ws[0].format.kind, 512, [None, None])

@@ -277,16 +277,42 @@ inline void tile(const Rows& x, const uint8_t* W, int64_t row_bytes, const float
       y.store((m0 + j) * N + n0 + i, _mm512_reduce_add_ps(f[i][j]) + (B ? B[n0 + i] : 0.0f));
 }
 
+// Several weights of one format and one K against the same x (a layer's q, k and v, or its gate
+// and up): x is quantized once and every output row of every weight is one item of a single
+// parallel loop, so the calls' fixed costs (a parallel region, x's quantization, a stream's
+// start) are paid once. Each output is computed exactly as a call of its own would.
 template <int KIND>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t K, const c10::optional<torch::Tensor>& bias) {
+std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t K,
+                               const std::vector<c10::optional<torch::Tensor>>& biases) {
   using F = Format<KIND>;
+  constexpr int MAX_WEIGHTS = 4;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % F::L == 0, "x [M, K] with K a multiple of the block");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 records [N, bytes]");
-  const int64_t M = x.size(0), N = w.size(0), nb = K / F::L, G = (nb + 15) / 16;
-  const int64_t row_bytes = (G - 1) * F::record(16) + F::record(lanes(nb, G - 1));
-  TORCH_CHECK(w.size(1) == row_bytes, "w: ", w.size(1), " bytes a row, the layout needs ", row_bytes);
   TORCH_CHECK(x.is_contiguous(), "x contiguous");
+  TORCH_CHECK(!ws.empty() && ws.size() <= MAX_WEIGHTS && biases.size() == ws.size(), "1 to 4 weights, a bias (or None) each");
+  const int64_t M = x.size(0), nb = K / F::L, G = (nb + 15) / 16;
+  const int64_t row_bytes = (G - 1) * F::record(16) + F::record(lanes(nb, G - 1));
+  const int count = static_cast<int>(ws.size());
+  const uint8_t* W[MAX_WEIGHTS];
+  const float* B[MAX_WEIGHTS];
+  int64_t first[MAX_WEIGHTS + 1] = {0};  // weight i's rows are first[i] .. first[i + 1] - 1 of the loop
+  std::vector<torch::Tensor> outs, b32(count);
+  std::vector<Out> ys;
+  for (int i = 0; i < count; ++i) {
+    const torch::Tensor& w = ws[i];
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 records [N, bytes]");
+    TORCH_CHECK(w.size(1) == row_bytes, "w: ", w.size(1), " bytes a row, the layout needs ", row_bytes);
+    W[i] = w.data_ptr<uint8_t>();
+    B[i] = nullptr;
+    if (biases[i].has_value()) {
+      b32[i] = biases[i]->to(torch::kFloat32).contiguous();
+      TORCH_CHECK(b32[i].numel() == w.size(0), "a bias of ", w.size(0), " values");
+      B[i] = b32[i].data_ptr<float>();
+    }
+    first[i + 1] = first[i] + w.size(0);
+    outs.push_back(torch::empty({M, w.size(0)}, x.options()));
+    ys.push_back(Out{outs.back().data_ptr(), x.scalar_type() == torch::kFloat32});
+  }
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> xsbuf, qsbuf;
   thread_local std::vector<int32_t> initbuf;
@@ -295,39 +321,46 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t K, con
   int32_t* init = scratch(initbuf, M * G * 16);
   float* qs = scratch(qsbuf, M * G * 16);
   quantize<KIND>(x, q, xs, init, qs, G);
-  auto out = torch::empty({M, N}, x.options());
   const Rows rows{q, xs, init, qs, K, G};
-  const Out y{out.data_ptr(), x.scalar_type() == torch::kFloat32};
-  torch::Tensor b32;
-  const float* B = nullptr;
-  if (bias.has_value()) {
-    b32 = bias->to(torch::kFloat32).contiguous();
-    B = b32.data_ptr<float>();
-  }
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  auto block = [&](auto mb, auto nbt, int64_t m0, int64_t n0) {
-    tile<KIND, decltype(mb)::value, decltype(nbt)::value>(rows, W, row_bytes, B, y, N, m0, n0);
+  auto block = [&](auto mb, auto nbt, int64_t m0, int64_t n) {
+    int i = 0;
+    while (n >= first[i + 1]) ++i;
+    tile<KIND, decltype(mb)::value, decltype(nbt)::value>(rows, W[i], row_bytes, B[i], ys[i], first[i + 1] - first[i], m0,
+                                                          n - first[i]);
   };
   // One weight row at a time, a purely sequential stream, over blocks of 8 rows of x and one of the
   // rest. Tiles of 2 or 4 interleaved weight rows would share each x vector over more weights, but
   // read memory 2-3x slower (the 1.5B's Q4_K gate projection, one row of x, one thread, AMD EPYC:
-  // 9 GB/s with 4-row tiles against 26 with one row).
-  over_tiles<1>(N, [&](auto nbt, int64_t n0) { over_rows_whole<8>(M, [&](auto mb, int64_t m0) { block(mb, nbt, m0, n0); }); });
-  return out;
+  // 9 GB/s with 4-row tiles against 26 with one row; 2-row tiles measured again: 1.4-1.9x slower
+  // for 1 to 3 rows of x, 0.9x at 8).
+  over_tiles<1>(first[count], [&](auto nbt, int64_t n) { over_rows_whole<8>(M, [&](auto mb, int64_t m0) { block(mb, nbt, m0, n); }); });
+  return outs;
+}
+
+template <typename Run>
+auto by_kind(int64_t kind, Run run) {
+  switch (kind) {
+    case Q4_0: return run(std::integral_constant<int, Q4_0>());
+    case Q4_1: return run(std::integral_constant<int, Q4_1>());
+    case Q4_K: return run(std::integral_constant<int, Q4_K>());
+    case Q8_0: return run(std::integral_constant<int, Q8_0>());
+    case Q5_0: return run(std::integral_constant<int, Q5_0>());
+    case Q6_K: return run(std::integral_constant<int, Q6_K>());
+    default: break;
+  }
+  TORCH_CHECK(false, "unknown block format ", kind);
+  return run(std::integral_constant<int, Q4_0>());  // not reached
 }
 
 }  // namespace
 
 // x [M, K] float32 or bfloat16, w [N, bytes] uint8 in ``kind``'s layout -> [M, N] in x's dtype
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias) {
-  switch (kind) {
-    case Q4_0: return run<Q4_0>(x, w, K, bias);
-    case Q4_1: return run<Q4_1>(x, w, K, bias);
-    case Q4_K: return run<Q4_K>(x, w, K, bias);
-    case Q8_0: return run<Q8_0>(x, w, K, bias);
-    case Q5_0: return run<Q5_0>(x, w, K, bias);
-    case Q6_K: return run<Q6_K>(x, w, K, bias);
-    default: TORCH_CHECK(false, "unknown block format ", kind);
-  }
-  return {};
+  return by_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, {w}, K, {bias})[0]; });
+}
+
+// the same for up to 4 weights of one format against the same x -> one output each
+std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
+                                              std::vector<c10::optional<torch::Tensor>> biases) {
+  return by_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, ws, K, biases); });
 }

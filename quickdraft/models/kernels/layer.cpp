@@ -15,6 +15,8 @@
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
+                                              std::vector<c10::optional<torch::Tensor>> biases);
 torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions);
@@ -26,6 +28,28 @@ constexpr int64_t DENSE = -1;  // a projection's kind: a dense weight of x's dty
 torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, int64_t kind, const c10::optional<torch::Tensor>& bias) {
   if (kind != DENSE) return linear_blocks(x, w, kind, x.size(1), bias);
   return x.scalar_type() == torch::kFloat32 ? linear_f32(x, w, bias) : linear_bf16(x, w, bias);
+}
+
+// x times each of the ``count`` weights w[at..] of formats kinds[kat..]: runs of one block format
+// go in one call (blocks.cpp's linear_blocks_many), the same bits as one call each
+std::vector<torch::Tensor> project_all(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at,
+                                       const std::vector<int64_t>& kinds, size_t kat, size_t count,
+                                       const std::vector<c10::optional<torch::Tensor>>& biases) {
+  std::vector<torch::Tensor> out;
+  for (size_t i = 0; i < count;) {
+    const int64_t kind = kinds[kat + i];
+    size_t end = i + 1;
+    while (kind != DENSE && end < count && kinds[kat + end] == kind) ++end;
+    if (end - i == 1) {
+      out.push_back(project(x, w[at + i], kind, biases[i]));
+    } else {
+      std::vector<torch::Tensor> ws(w.begin() + at + i, w.begin() + at + end);
+      std::vector<c10::optional<torch::Tensor>> bs(biases.begin() + i, biases.begin() + end);
+      for (auto& y : linear_blocks_many(x, ws, kind, x.size(1), bs)) out.push_back(y);
+    }
+    i = end;
+  }
+  return out;
 }
 
 }  // namespace
@@ -51,9 +75,10 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vecto
   TORCH_CHECK(rows == n, "the query lengths add up to ", rows, ", x has ", n, " rows");
 
   const torch::Tensor h = rms_norm(x, w[0], eps);
-  const torch::Tensor q = rotary(project(h, w[1], kinds[0], biases[0]).view({n, heads, d}), cos, sin, positions);
-  const torch::Tensor k = rotary(project(h, w[2], kinds[1], biases[1]).view({n, kv_heads, d}), cos, sin, positions);
-  const torch::Tensor v = project(h, w[3], kinds[2], biases[2]).view({n, kv_heads, d});
+  const std::vector<torch::Tensor> qkv = project_all(h, w, 1, kinds, 0, 3, biases);
+  const torch::Tensor q = rotary(qkv[0].view({n, heads, d}), cos, sin, positions);
+  const torch::Tensor k = rotary(qkv[1].view({n, kv_heads, d}), cos, sin, positions);
+  const torch::Tensor v = qkv[2].view({n, kv_heads, d});
   std::vector<torch::Tensor> out;
   out.reserve(slots.size());
   int64_t start = 0;
@@ -69,7 +94,6 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vecto
   const torch::Tensor attn = (out.size() == 1 ? out[0] : torch::cat(out)).to(x.scalar_type());
   const torch::Tensor mid = x + project(attn, w[4], kinds[3], c10::nullopt);
   const torch::Tensor h2 = rms_norm(mid, w[5], eps);
-  const torch::Tensor gate = project(h2, w[6], kinds[4], c10::nullopt);
-  const torch::Tensor up = project(h2, w[7], kinds[5], c10::nullopt);
-  return mid + project(at::silu(gate) * up, w[8], kinds[6], c10::nullopt);
+  const std::vector<torch::Tensor> gate_up = project_all(h2, w, 6, kinds, 4, 2, {c10::nullopt, c10::nullopt});
+  return mid + project(at::silu(gate_up[0]) * gate_up[1], w[8], kinds[6], c10::nullopt);
 }

@@ -195,6 +195,8 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
 
 // blocks.cpp: GGUF block formats
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
+                                              std::vector<c10::optional<torch::Tensor>> biases);
 
 // attention.cpp
 torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);
@@ -214,6 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ w.T + b in bfloat16");
   m.def("linear_f32", &linear_f32, "x @ w.T + b in float32, batch invariant");
   m.def("linear_blocks", &linear_blocks, "x @ w.T + b: w in a GGUF block format as repacked by models/ggml.py, x quantized per block");
+  m.def("linear_blocks_many", &linear_blocks_many, "linear_blocks for several weights of one format against one x, in one pass");
   m.def("attend_chain", &attend_chain, "row j of q attends over keys 0..ctx+j, batch invariant");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's");
   m.def("rotary", &rotary, "rotate-half rotary embedding of each row");
