@@ -22,7 +22,9 @@ from quickdraft.errors import ConfigError
 @dataclass(frozen=True)
 class SamplingParams:
     """Like vLLM's. ``temperature == 0`` means greedy (argmax); ``top_k <= 0`` and ``top_p == 1``
-    disable those filters. ``seed`` seeds this request's own generator; None draws a fresh seed."""
+    disable those filters. ``seed`` seeds this request's own generator; None draws a fresh seed.
+    ``num_speculative_tokens`` caps this request's draft tokens a step (speculation changes only
+    the speed, never the output)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -31,6 +33,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # this request's cap on draft tokens a step: None, the engine's num_speculative_tokens; 0,
+    # plain decoding; a larger value than the engine's is capped there (a cap, never a raise)
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -49,6 +54,10 @@ class SamplingParams:
             raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}", "seed")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ConfigError(f"num_speculative_tokens must be an integer >= 0 (0: no speculation), got {k!r}",
+                              "num_speculative_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -97,6 +97,12 @@ class Engine:
         results = self.runner.step(seqs, self._num_draft(seqs))
         return [self._postprocess(r) for r in results]
 
+    def draft_cap(self, params: SamplingParams) -> int:
+        """The most draft tokens a step a request with ``params`` may take: the engine's K, or
+        the request's own cap where it gives a smaller one."""
+        k = self.config.speculative.num_speculative_tokens if self.config.speculative.enabled else 0
+        return k if params.num_speculative_tokens is None else min(k, params.num_speculative_tokens)
+
     def _num_draft(self, seqs: list[Sequence]) -> list[int]:
         """K for each sequence this step: none on its prompt pass, never more than it can use,
         none when the batch has reached ``disable_by_batch_size``, and with ``adaptive`` as many
@@ -105,7 +111,7 @@ class Engine:
         if not spec.enabled or (spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size):
             return [0] * len(seqs)
         rooms = [min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) for s in seqs]
-        caps = [0 if s.num_pending != 1 else max(0, min(spec.num_speculative_tokens, room - 1))
+        caps = [0 if s.num_pending != 1 else max(0, min(self.draft_cap(s.params), room - 1))
                 for s, room in zip(seqs, rooms)]
         if not spec.adaptive or not any(caps):
             return caps

@@ -214,7 +214,7 @@ class _Api:
         return SamplingParams(
             max_tokens=limit, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
-            stop=req.stop_list(), ignore_eos=bool(req.ignore_eos),
+            stop=req.stop_list(), ignore_eos=bool(req.ignore_eos), num_speculative_tokens=req.speculation_cap,
         )
 
     async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
@@ -236,7 +236,8 @@ class _Api:
                 params.append(self._params(req, prompt, i, chat))
         group = await self.engine.add(ids, flat, params)
         self.engine.metrics.admitted(sum(len(p) for p in prompts))
-        reply = _Reply(rid, req.model, chat, sum(len(p) for p in prompts), self.settings, bool(req.return_token_ids))
+        reply = _Reply(rid, req.model, chat, sum(len(p) for p in prompts), self.settings, bool(req.return_token_ids),
+                       req.speculation_cap)
         try:
             first = await self._next(group, request)
         except _ClientGone:
@@ -339,11 +340,18 @@ class _Reply:
     prompt_tokens: int
     settings: ServerSettings
     token_ids: bool = False  # return_token_ids: each choice (chunk) carries its (new) token ids
+    speculation_cap: int | None = None  # the request's "speculative": {"num_speculative_tokens"}, if any
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The cap this request drafted under: the server's K, or the request's where smaller."""
+        k = self.settings.num_speculative_tokens
+        return k if self.speculation_cap is None else min(k, self.speculation_cap)
 
     def usage(self, outs: list[RequestOutput]) -> dict:
         spec = SpecStats()
@@ -353,7 +361,7 @@ class _Reply:
         s = self.settings
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
-                "speculative": {"method": s.spec_method, "num_speculative_tokens": s.num_speculative_tokens,
+                "speculative": {"method": s.spec_method, "num_speculative_tokens": self.num_speculative_tokens,
                                 "num_drafts": spec.drafts_per_position[0] if spec.drafts_per_position else 0,
                                 **spec.to_dict()}}
 

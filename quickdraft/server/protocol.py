@@ -47,6 +47,14 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None  # vLLM's; accepted, not used
 
 
+class SpeculativeOptions(_Strict):
+    """quickdraft's extension, ``"speculative": {...}`` in the body: this request's own cap on
+    draft tokens a step (0 turns speculation off for it; a value above the server's is capped
+    there). It composes with the adaptive plan as a cap, never a raise, and changes only speed."""
+
+    num_speculative_tokens: int | None = Field(None, ge=0)
+
+
 class _Sampling(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -60,6 +68,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None  # vLLM's extension: token ids in every choice / chunk
+    speculative: SpeculativeOptions | None = None  # quickdraft's extension (SpeculativeOptions)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -93,6 +102,11 @@ class _Sampling(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def speculation_cap(self) -> int | None:
+        """The request's cap on draft tokens a step, or None for the server's."""
+        return self.speculative.num_speculative_tokens if self.speculative is not None else None
 
 
 class CompletionRequest(_Sampling):

@@ -13,6 +13,7 @@ import torch
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.cost import LinearCost
 from quickdraft.engine.engine import Engine
+from quickdraft.errors import ConfigError
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.sampling import SamplingParams
@@ -168,3 +169,21 @@ def test_stats_count_passes_and_positions():
     assert (s.num_target_passes, s.num_draft_tokens, s.num_accepted_tokens) == (3, 6, 6)
     assert s.accepted_per_position == [2, 2, 2] and s.drafts_per_position == [2, 2, 2]
     assert s.mean_accepted_length == 3.0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_request_caps_its_own_speculation(plain, adaptive):
+    """``SamplingParams.num_speculative_tokens``: 0 turns speculation off for that request alone, a
+    smaller cap bounds its drafts a step, a larger one is capped at the engine's K; the other
+    requests of the batch draft as before, and every output is plain decoding's."""
+    caps = [0, 1, 9]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=k) for k in caps]
+    spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3, "adaptive": adaptive,
+            "draft_confidence_threshold": 0.0}
+    outs, _ = run(spec, PROMPTS, params, costs=(FrozenCost(), FrozenCost(0.01)) if adaptive else None)
+    assert [o.token_ids for o in outs] == plain
+    assert outs[0].spec.num_draft_tokens == 0 and outs[0].spec.num_target_passes == 24
+    assert outs[1].spec.num_draft_tokens > 0 and len(outs[1].spec.drafts_per_position) == 1
+    assert len(outs[2].spec.drafts_per_position) == 3  # 9 asked, the engine's 3 given
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)

@@ -99,3 +99,28 @@ def test_async_stream_and_plain(aclient_url):
     assert text == whole.choices[0].message.content
     assert usage.completion_tokens == whole.usage.completion_tokens
     assert _spec(usage)["num_draft_tokens"] == _spec(whole.usage)["num_draft_tokens"]
+
+
+def test_a_request_caps_its_own_speculation(client):
+    """quickdraft's ``"speculative": {"num_speculative_tokens": N}`` body extension: 0 turns
+    speculation off for that request, a smaller N bounds its drafts a step, a larger one is capped
+    at the server's K (4 here); usage reports the cap it ran under; the text never changes."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Count from one to twenty in words."}],
+              max_tokens=24, temperature=0)
+    base = client.chat.completions.create(**kw)
+    runs = {k: client.chat.completions.create(**kw, extra_body={"speculative": {"num_speculative_tokens": k}})
+            for k in (0, 1, 9)}
+    assert {r.choices[0].message.content for r in runs.values()} == {base.choices[0].message.content}
+    spec = {k: _spec(r.usage) for k, r in runs.items()}
+    assert _spec(base.usage)["num_draft_tokens"] > 0 and spec[1]["num_draft_tokens"] > 0  # a text that drafts
+    assert _spec(base.usage)["num_speculative_tokens"] == 4 and spec[9]["num_speculative_tokens"] == 4
+    assert spec[0]["num_speculative_tokens"] == 0 and spec[0]["num_draft_tokens"] == 0
+    assert spec[1]["num_speculative_tokens"] == 1 and len(spec[1]["accepted_per_position"]) <= 1
+    assert spec[0]["num_target_passes"] == runs[0].usage.completion_tokens
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"speculative": {"num_speculative_tokens": 0}}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == base.choices[0].message.content
+    assert _spec(chunks[-1].usage)["num_draft_tokens"] == 0
+    for bad in ({"num_speculative_tokens": -1}, {"num_speculative_tokens": "2"}, {"k": 2}, 3):
+        with pytest.raises(openai.BadRequestError, match="speculative"):
+            client.chat.completions.create(**kw, extra_body={"speculative": bad})
