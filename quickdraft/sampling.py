@@ -19,6 +19,9 @@ from torch import Tensor
 from quickdraft.errors import ConfigError
 
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Like vLLM's. ``temperature == 0`` means greedy (argmax); ``top_k <= 0`` and ``top_p == 1``
@@ -36,6 +39,9 @@ class SamplingParams:
     # this request's cap on draft tokens a step: None, the engine's num_speculative_tokens; 0,
     # plain decoding; a larger value than the engine's is capped there (a cap, never a raise)
     num_speculative_tokens: int | None = None
+    # None: no log-probabilities; N >= 0: each output token's, and the N most likely at its position
+    # (the target's own distribution, before temperature, top-k and top-p, as vLLM reports it)
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,6 +60,9 @@ class SamplingParams:
             raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}", "seed")
+        n = self.logprobs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {n!r}", "logprobs")
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ConfigError(f"num_speculative_tokens must be an integer >= 0 (0: no speculation), got {k!r}",

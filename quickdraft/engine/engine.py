@@ -140,7 +140,11 @@ class Engine:
         emitted = 0
         for token in r.token_ids:
             emitted += 1
-            if self._append(seq, token):
+            before = len(seq.output_token_ids)
+            done = self._append(seq, token)
+            if r.logprobs is not None and len(seq.output_token_ids) > before:  # (an eos is not output)
+                seq.output_logprobs.append(r.logprobs[emitted - 1])
+            if done:
                 break
         if seq.finish_reason != "stop" or not seq.params.stop:
             seq.text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""

@@ -18,7 +18,7 @@ import torch
 from quickdraft.engine.cost import LinearCost, key_reads
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
-from quickdraft.engine.sequence import Sequence
+from quickdraft.engine.sequence import Sequence, TokenLogprob
 from quickdraft.proposers.base import DraftProposal, Proposer
 from quickdraft.sampling import BatchSampling, draw_uniforms
 from quickdraft.verify.rejection import VerifyOutput, verify
@@ -31,6 +31,7 @@ class StepResult:
     num_drafts: int
     num_accepted: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one for each of token_ids, where the request asked
 
 
 class Runner:
@@ -56,6 +57,7 @@ class Runner:
         )
         self.proposer.observe(seqs, outcome)
         results = self._commit(seqs, proposal, outcome, ok)
+        self._logprobs(results, proposal.num_tokens, logits)
         if timed:
             self.target_cost.observe(len(seqs) + sum(proposal.num_tokens), time.perf_counter() - started,
                                      len(seqs), keys)
@@ -80,6 +82,24 @@ class Runner:
         ends = torch.tensor(meta.query_lens).cumsum(0)
         rows = torch.cat([torch.arange(e - k - 1, e) for e, k in zip(ends.tolist(), proposal.num_tokens)])
         return self.target.logits(hidden[rows.to(device)])
+
+    @staticmethod
+    def _logprobs(results: list[StepResult], num_tokens: list[int], logits: torch.Tensor) -> None:
+        """For the requests that asked: each emitted token's log-probability in the row that
+        verified it (the j-th emitted token is scored by the sequence's j-th row: the accepted
+        drafts, then the recovered or bonus token), and the most likely tokens of that row."""
+        start = 0
+        for r, k in zip(results, num_tokens):
+            n = r.seq.params.logprobs
+            if n is not None and r.token_ids:
+                rows = torch.log_softmax(logits[start : start + len(r.token_ids)].float(), dim=-1)
+                chosen = rows.gather(1, torch.tensor(r.token_ids, device=rows.device).view(-1, 1)).view(-1).tolist()
+                top = rows.topk(n, dim=-1) if n else None
+                r.logprobs = [
+                    TokenLogprob(t, lp, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else [])
+                    for j, (t, lp) in enumerate(zip(r.token_ids, chosen))
+                ]
+            start += k + 1
 
     @staticmethod
     def _finite_rows(logits: torch.Tensor, num_tokens: list[int]) -> list[bool]:

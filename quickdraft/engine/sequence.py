@@ -81,6 +81,17 @@ class SpecStats:
 
 
 @dataclass
+class TokenLogprob:
+    """An output token's log-probability under the target (its raw distribution at that position,
+    from the pass that verified it: the same as plain decoding's), and the ``top`` most likely
+    tokens there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class RequestOutput:
     """What a request has produced so far; ``new_token_ids`` are those of the latest step."""
 
@@ -96,6 +107,8 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one a token of token_ids, when the request asked for them
+    new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
 
 
 @dataclass
@@ -106,6 +119,7 @@ class Sequence:
     generator: torch.Generator
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # params.logprobs is not None: one a token
     status: Status = Status.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens of token_ids whose keys/values are in the target's cache
@@ -147,11 +161,13 @@ class Sequence:
         self.finish_time = time.perf_counter()
 
     def to_output(self) -> RequestOutput:
-        new = self.output_token_ids[self._reported :]
-        self._reported = len(self.output_token_ids)
+        start, self._reported = self._reported, len(self.output_token_ids)
+        wanted = self.params.logprobs is not None
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.output_token_ids), new_token_ids=new, text=self.text,
+            token_ids=list(self.output_token_ids), new_token_ids=self.output_token_ids[start:], text=self.text,
             finished=self.finished, finish_reason=self.finish_reason, spec=self.spec, error=self.error,
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=self.finish_time,
+            logprobs=list(self.output_logprobs) if wanted else None,
+            new_logprobs=self.output_logprobs[start:] if wanted else None,
         )

@@ -11,6 +11,7 @@ tokens (type 4, e.g. ``<tool_call>``) are matched whole too but are ordinary tex
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import warnings
@@ -56,6 +57,12 @@ def _byte_alphabet() -> dict[int, str]:
     table = {b: chr(b) for b in keep}
     table.update({b: chr(256 + n) for n, b in enumerate(shifted)})
     return table
+
+
+@lru_cache(maxsize=1)
+def _byte_values() -> dict[str, int]:
+    """_byte_alphabet reversed: printable character -> byte."""
+    return {ch: b for b, ch in _byte_alphabet().items()}
 
 
 def _byte_spelling(token: str) -> str:
@@ -243,6 +250,19 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _added(self) -> frozenset[int]:
+        return frozenset(self.added_token_ids())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-level BPE token's spelling mapped back to bytes;
+        an added token's text as UTF-8): what OpenAI's logprobs report as ``bytes``."""
+        token = self.id_to_token(token_id) or ""
+        reverse = _byte_values()
+        if token and all(ch in reverse for ch in token) and token_id not in self._added:
+            return bytes(reverse[ch] for ch in token)
+        return token.encode("utf-8")
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)

@@ -24,6 +24,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -215,6 +216,7 @@ class _Api:
             max_tokens=limit, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
             stop=req.stop_list(), ignore_eos=bool(req.ignore_eos), num_speculative_tokens=req.speculation_cap,
+            logprobs=req.logprob_count,
         )
 
     async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
@@ -237,7 +239,7 @@ class _Api:
         group = await self.engine.add(ids, flat, params)
         self.engine.metrics.admitted(sum(len(p) for p in prompts))
         reply = _Reply(rid, req.model, chat, sum(len(p) for p in prompts), self.settings, bool(req.return_token_ids),
-                       req.speculation_cap)
+                       req.speculation_cap, self.tokenizer)
         try:
             first = await self._next(group, request)
         except _ClientGone:
@@ -309,9 +311,9 @@ class _Api:
                 delta = texts[index].delta(out.text, out.finished)
                 if out.finished:
                     final[index] = out
-                if delta or out.finished or (reply.token_ids and out.new_token_ids):
+                if delta or out.finished or ((reply.token_ids or out.new_logprobs) and out.new_token_ids):
                     yield sse(reply.chunk(index, delta, out.finish_reason if out.finished else None, include_usage,
-                                          token_ids=out.new_token_ids))
+                                          token_ids=out.new_token_ids, logprobs=out.new_logprobs))
                 if group.done:
                     break
                 item = await group.queue.get()
@@ -341,7 +343,35 @@ class _Reply:
     settings: ServerSettings
     token_ids: bool = False  # return_token_ids: each choice (chunk) carries its (new) token ids
     speculation_cap: int | None = None  # the request's "speculative": {"num_speculative_tokens"}, if any
+    tokenizer: Any = None  # renders the tokens of logprobs
     created: int = field(default_factory=lambda: int(time.time()))
+    _offsets: dict[int, int] = field(default_factory=dict)  # a streamed completion choice's text so far, for text_offset
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def logprobs(self, lps, index: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens (RequestOutput.logprobs), or None where the
+        request asked for none: chat's {"content": [...]}, or the completions API's parallel lists
+        (text_offset counts from the start of the choice's text, across a stream's chunks)."""
+        if lps is None:
+            return None
+        if self.chat:
+            def entry(token_id, logprob):
+                text, raw = self._token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(raw)}
+            return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                                for t in lps], "refusal": None}
+        tokens, offsets, at = [], [], self._offsets.get(index, 0)
+        for t in lps:
+            text = self._token(t.token_id)[0]
+            tokens.append(text)
+            offsets.append(at)
+            at += len(text)
+        self._offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
+                "top_logprobs": [{self._token(i)[0]: lp for i, lp in t.top} for t in lps], "text_offset": offsets}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -367,10 +397,10 @@ class _Reply:
 
     def full(self, outs: list[RequestOutput]) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": self.logprobs(o.logprobs),
                         "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
         else:
-            choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+            choices = [{"index": i, "text": o.text, "logprobs": self.logprobs(o.logprobs), "finish_reason": o.finish_reason}
                        for i, o in enumerate(outs)]
         if self.token_ids:
             for choice, o in zip(choices, outs):
@@ -379,12 +409,15 @@ class _Reply:
                 "usage": self.usage(outs)}
 
     def chunk(self, index: int, text: str, finish_reason: str | None, include_usage: bool, role: bool = False,
-              token_ids: list[int] | None = None) -> dict:
+              token_ids: list[int] | None = None, logprobs=None) -> dict:
+        """One choice's chunk; ``logprobs``: those of the tokens this step emitted (the chunks'
+        logprobs together are the whole response's, whatever the text held back for stop strings)."""
+        lps = self.logprobs(logprobs, index) if logprobs else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
         if self.token_ids and not role:
             choice["token_ids"] = token_ids or []
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}

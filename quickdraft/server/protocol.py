@@ -118,9 +118,6 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         self.check_common()
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported by quickdraft: the verifier does not keep the "
-                           "target's distribution of emitted tokens", param="logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported by quickdraft", param="echo")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -130,6 +127,11 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
             raise APIError(400, "prompt must not be empty", param="prompt")
+
+    @property
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; N: each token's and the N most likely (SamplingParams.logprobs)."""
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as text or token ids, one per batch entry."""
@@ -173,9 +175,8 @@ class ChatCompletionRequest(_Sampling):
 
     def check(self) -> None:
         self.check_common()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs is not supported by quickdraft: the verifier does not keep the "
-                           "target's distribution of emitted tokens", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise APIError(400, "tools are not supported by quickdraft", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
@@ -186,6 +187,11 @@ class ChatCompletionRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+
+    @property
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; N: each token's and the N most likely (SamplingParams.logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:

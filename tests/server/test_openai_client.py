@@ -124,3 +124,33 @@ def test_a_request_caps_its_own_speculation(client):
     for bad in ({"num_speculative_tokens": -1}, {"num_speculative_tokens": "2"}, {"k": 2}, 3):
         with pytest.raises(openai.BadRequestError, match="speculative"):
             client.chat.completions.create(**kw, extra_body={"speculative": bad})
+
+
+def test_logprobs_are_plain_decodings_under_speculation(client, plain_server):
+    """Chat ``logprobs`` + ``top_logprobs`` and the completions API's ``logprobs``: each token's
+    log-probability is taken from the pass that verified it, so a speculating server reports
+    exactly what a plain one does, streamed or not."""
+    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Count from one to twenty in words."}],
+              max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+    spec, base = client.chat.completions.create(**kw), plain.chat.completions.create(**kw)
+    assert _spec(spec.usage)["num_draft_tokens"] > 0
+    got, want = spec.choices[0].logprobs.content, base.choices[0].logprobs.content
+    assert [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in got] == \
+        [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in want]
+    assert len(got) == spec.usage.completion_tokens and "".join(t.token for t in got) == spec.choices[0].message.content
+    for t in got:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob and t.logprob <= 0.0
+        assert bytes(t.bytes).decode("utf-8", errors="replace") == t.token
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in got]
+
+    ckw = dict(model=MODEL, prompt="One, two, three, four,", max_tokens=16, temperature=0, logprobs=2)
+    c_spec, c_base = client.completions.create(**ckw), plain.completions.create(**ckw)
+    lp = c_spec.choices[0].logprobs
+    assert lp.token_logprobs == c_base.choices[0].logprobs.token_logprobs and lp.tokens == c_base.choices[0].logprobs.tokens
+    assert "".join(lp.tokens) == c_spec.choices[0].text and all(len(d) <= 2 for d in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    none = client.completions.create(**{**ckw, "logprobs": None})
+    assert none.choices[0].logprobs is None and none.choices[0].text == c_spec.choices[0].text
