@@ -42,6 +42,8 @@ class SamplingParams:
     # None: no log-probabilities; N >= 0: each output token's, and the N most likely at its position
     # (the target's own distribution, before temperature, top-k and top-p, as vLLM reports it)
     logprobs: int | None = None
+    # the same for the prompt's tokens (the first has none), from the prompt's pass
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -60,9 +62,10 @@ class SamplingParams:
             raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}", "seed")
-        n = self.logprobs
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
-            raise ConfigError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {n!r}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {n!r}", name)
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ConfigError(f"num_speculative_tokens must be an integer >= 0 (0: no speculation), got {k!r}",

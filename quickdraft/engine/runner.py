@@ -24,6 +24,19 @@ from quickdraft.sampling import BatchSampling, draw_uniforms
 from quickdraft.verify.rejection import VerifyOutput, verify
 
 
+PROMPT_LOGPROB_ROWS = 64  # prompt rows whose logits are held at once (prompt_logprobs)
+
+
+def _token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """logits [n, V] -> each of the n tokens' log-probability in its row, and its row's ``top``
+    most likely tokens."""
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    chosen = rows.gather(1, torch.tensor(token_ids, device=rows.device).view(-1, 1)).view(-1).tolist()
+    best = rows.topk(top, dim=-1) if top else None
+    return [TokenLogprob(t, lp, list(zip(best.indices[j].tolist(), best.values[j].tolist())) if best is not None else [])
+            for j, (t, lp) in enumerate(zip(token_ids, chosen))]
+
+
 @dataclass
 class StepResult:
     seq: Sequence
@@ -79,9 +92,26 @@ class Runner:
         device = self.target.device
         tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
         hidden = self.target.forward(tokens, meta.positions(device), self.kv, meta)  # [num_tokens, hidden]
+        self._prompt_logprobs(seqs, chunks, hidden)
         ends = torch.tensor(meta.query_lens).cumsum(0)
         rows = torch.cat([torch.arange(e - k - 1, e) for e, k in zip(ends.tolist(), proposal.num_tokens)])
         return self.target.logits(hidden[rows.to(device)])
+
+    def _prompt_logprobs(self, seqs: list[Sequence], chunks: list[list[int]], hidden: torch.Tensor) -> None:
+        """On a prompt's pass, for the requests that asked: each prompt token's log-probability
+        given the tokens before it (row j scores token j + 1), the output head run over the
+        prompt's rows in slices so that a long prompt never holds all its logits at once."""
+        start = 0
+        for s, chunk in zip(seqs, chunks):
+            n = s.params.prompt_logprobs
+            if n is not None and s.prompt_logprobs is None and s.num_cached == 0:
+                prompt = s.prompt_token_ids  # the chunk's first tokens (a one-token prompt may bring drafts)
+                out: list[TokenLogprob | None] = [None]
+                for a in range(0, len(prompt) - 1, PROMPT_LOGPROB_ROWS):
+                    b = min(a + PROMPT_LOGPROB_ROWS, len(prompt) - 1)
+                    out += _token_logprobs(self.target.logits(hidden[start + a : start + b]), prompt[a + 1 : b + 1], n)
+                s.prompt_logprobs = out
+            start += len(chunk)
 
     @staticmethod
     def _logprobs(results: list[StepResult], num_tokens: list[int], logits: torch.Tensor) -> None:
@@ -92,13 +122,7 @@ class Runner:
         for r, k in zip(results, num_tokens):
             n = r.seq.params.logprobs
             if n is not None and r.token_ids:
-                rows = torch.log_softmax(logits[start : start + len(r.token_ids)].float(), dim=-1)
-                chosen = rows.gather(1, torch.tensor(r.token_ids, device=rows.device).view(-1, 1)).view(-1).tolist()
-                top = rows.topk(n, dim=-1) if n else None
-                r.logprobs = [
-                    TokenLogprob(t, lp, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else [])
-                    for j, (t, lp) in enumerate(zip(r.token_ids, chosen))
-                ]
+                r.logprobs = _token_logprobs(logits[start : start + len(r.token_ids)], r.token_ids, n)
             start += k + 1
 
     @staticmethod

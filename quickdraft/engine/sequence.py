@@ -109,6 +109,7 @@ class RequestOutput:
     finish_time: float | None = None
     logprobs: list[TokenLogprob] | None = None  # one a token of token_ids, when the request asked for them
     new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one a prompt token (the first: None), if asked
 
 
 @dataclass
@@ -120,6 +121,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # params.logprobs is not None: one a token
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: set by the prompt's pass
     status: Status = Status.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens of token_ids whose keys/values are in the target's cache
@@ -169,5 +171,5 @@ class Sequence:
             finished=self.finished, finish_reason=self.finish_reason, spec=self.spec, error=self.error,
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=self.finish_time,
             logprobs=list(self.output_logprobs) if wanted else None,
-            new_logprobs=self.output_logprobs[start:] if wanted else None,
+            new_logprobs=self.output_logprobs[start:] if wanted else None, prompt_logprobs=self.prompt_logprobs,
         )

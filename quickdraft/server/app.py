@@ -216,7 +216,7 @@ class _Api:
             max_tokens=limit, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
             stop=req.stop_list(), ignore_eos=bool(req.ignore_eos), num_speculative_tokens=req.speculation_cap,
-            logprobs=req.logprob_count,
+            logprobs=req.logprob_count, prompt_logprobs=None if chat else req.prompt_logprob_count,
         )
 
     async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
@@ -239,7 +239,7 @@ class _Api:
         group = await self.engine.add(ids, flat, params)
         self.engine.metrics.admitted(sum(len(p) for p in prompts))
         reply = _Reply(rid, req.model, chat, sum(len(p) for p in prompts), self.settings, bool(req.return_token_ids),
-                       req.speculation_cap, self.tokenizer)
+                       req.speculation_cap, self.tokenizer, echo=not chat and bool(req.echo))
         try:
             first = await self._next(group, request)
         except _ClientGone:
@@ -344,6 +344,7 @@ class _Reply:
     token_ids: bool = False  # return_token_ids: each choice (chunk) carries its (new) token ids
     speculation_cap: int | None = None  # the request's "speculative": {"num_speculative_tokens"}, if any
     tokenizer: Any = None  # renders the tokens of logprobs
+    echo: bool = False  # completions' echo: each choice's text (and logprobs) starts with its prompt
     created: int = field(default_factory=lambda: int(time.time()))
     _offsets: dict[int, int] = field(default_factory=dict)  # a streamed completion choice's text so far, for text_offset
 
@@ -383,6 +384,19 @@ class _Reply:
         k = self.settings.num_speculative_tokens
         return k if self.speculation_cap is None else min(k, self.speculation_cap)
 
+    def echo_logprobs(self, out: RequestOutput, index: int) -> dict | None:
+        """The completions API's logprobs over the prompt's tokens, then the output's."""
+        if out.logprobs is None or out.prompt_logprobs is None:
+            return None
+        first = self._token(out.prompt_token_ids[0])[0]
+        self._offsets[index] = len(first)
+        prompt = self.logprobs([t for t in out.prompt_logprobs if t is not None], index)
+        body = self.logprobs(out.logprobs, index)
+        return {"tokens": [first] + prompt["tokens"] + body["tokens"],
+                "token_logprobs": [None] + prompt["token_logprobs"] + body["token_logprobs"],
+                "top_logprobs": [None] + prompt["top_logprobs"] + body["top_logprobs"],
+                "text_offset": [0] + prompt["text_offset"] + body["text_offset"]}
+
     def usage(self, outs: list[RequestOutput]) -> dict:
         spec = SpecStats()
         for o in outs:
@@ -397,10 +411,13 @@ class _Reply:
 
     def full(self, outs: list[RequestOutput]) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": self.logprobs(o.logprobs),
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": self.logprobs(o.logprobs, i),
                         "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
+        elif self.echo:  # the prompt as its tokens decode, then the completion; the first prompt token has no logprob
+            choices = [{"index": i, "text": self.tokenizer.decode(o.prompt_token_ids) + o.text,
+                        "logprobs": self.echo_logprobs(o, i), "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
         else:
-            choices = [{"index": i, "text": o.text, "logprobs": self.logprobs(o.logprobs), "finish_reason": o.finish_reason}
+            choices = [{"index": i, "text": o.text, "logprobs": self.logprobs(o.logprobs, i), "finish_reason": o.finish_reason}
                        for i, o in enumerate(outs)]
         if self.token_ids:
             for choice, o in zip(choices, outs):

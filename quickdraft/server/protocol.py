@@ -118,8 +118,8 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise APIError(400, "echo is not supported by quickdraft", param="echo")
+        if self.echo and self.stream:
+            raise APIError(400, "echo is not supported with stream: true by quickdraft", param="echo")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError(400, "best_of is not supported by quickdraft (only best_of == n)", param="best_of")
         if self.suffix:
@@ -132,6 +132,11 @@ class CompletionRequest(_Sampling):
     def logprob_count(self) -> int | None:
         """None: no logprobs; N: each token's and the N most likely (SamplingParams.logprobs)."""
         return self.logprobs
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """With echo, the prompt's tokens get logprobs too (SamplingParams.prompt_logprobs)."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as text or token ids, one per batch entry."""

@@ -187,3 +187,21 @@ def test_a_request_caps_its_own_speculation(plain, adaptive):
     assert len(outs[2].spec.drafts_per_position) == 3  # 9 asked, the engine's 3 given
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=-1)
+
+
+def test_logprobs_are_plain_decodings():
+    """Each output token's log-probability comes from the row that verified it and each prompt
+    token's from the prompt's pass: with speculation they are plain decoding's, bit for bit, in a
+    ragged batch."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)] * len(PROMPTS)
+    base, _ = run(None, PROMPTS, params)
+    spec, stats = run({"method": "draft_model", "model": DRAFTS["between"], "num_speculative_tokens": 3}, PROMPTS, params)
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # drafts both accepted and rejected
+    for prompt, a, b in zip(PROMPTS, base, spec):
+        assert a.token_ids == b.token_ids and [t.token_id for t in a.logprobs] == a.token_ids
+        assert [(t.logprob, t.top) for t in a.logprobs] == [(t.logprob, t.top) for t in b.logprobs]
+        assert all(len(t.top) == 2 and t.top[0][1] >= t.logprob for t in b.logprobs)
+        assert a.prompt_logprobs[0] is None and [t.token_id for t in a.prompt_logprobs[1:]] == prompt[1:]
+        assert [(t.logprob, t.top) for t in a.prompt_logprobs[1:]] == [(t.logprob, t.top) for t in b.prompt_logprobs[1:]]
+    plain = run(None, PROMPTS[:1], [SamplingParams(max_tokens=4, temperature=0)])[0][0]
+    assert plain.logprobs is None and plain.prompt_logprobs is None

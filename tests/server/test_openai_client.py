@@ -154,3 +154,29 @@ def test_logprobs_are_plain_decodings_under_speculation(client, plain_server):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     none = client.completions.create(**{**ckw, "logprobs": None})
     assert none.choices[0].logprobs is None and none.choices[0].text == c_spec.choices[0].text
+
+
+def test_echo_gives_the_prompts_logprobs(client, plain_server):
+    """``echo`` with ``logprobs`` (what lm-evaluation-harness's log-likelihood tasks send): the
+    text starts with the prompt, and the logprobs cover the prompt's tokens (the first has none)
+    and then the output's, the same with speculation as without."""
+    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    kw = dict(model=MODEL, prompt="The capital of France is Paris. The capital of Italy is", max_tokens=4,
+              temperature=0, logprobs=1, echo=True)
+    r, p = client.completions.create(**kw), plain.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(kw["prompt"]) and r.choices[0].text == p.choices[0].text
+    prompt_len = r.usage.prompt_tokens
+    assert len(lp.tokens) == prompt_len + r.usage.completion_tokens and "".join(lp.tokens) == r.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0.0 for x in lp.token_logprobs[1:]) and lp.token_logprobs == p.choices[0].logprobs.token_logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # " Rome" after "The capital of Italy is" is the greedy continuation: its logprob is its row's best
+    first_out = prompt_len
+    assert lp.token_logprobs[first_out] == pytest.approx(max(lp.top_logprobs[first_out].values()))
+    # the prompt's logprobs are plain decoding's too: what generating the prompt's own tokens would score
+    head = client.completions.create(model=MODEL, prompt=kw["prompt"].split(" Paris")[0], max_tokens=1, temperature=0,
+                                     logprobs=1)
+    assert head.choices[0].text == " Paris"
+    paris = lp.tokens.index(" Paris")
+    assert lp.token_logprobs[paris] == head.choices[0].logprobs.token_logprobs[0]
