@@ -38,7 +38,7 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.server.async_engine import AsyncEngine, Group
 from quickdraft.server.metrics import CONTENT_TYPE
 from quickdraft.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, parse_request,
 )
 from quickdraft.server.streaming import SSE_DONE, IncrementalText, sse
 
@@ -82,6 +82,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.get("/version")(api.version)
     app.get("/metrics")(api.metrics_route)
     app.get("/v1/models")(api.models)
+    app.get("/tokenizer_info")(api.tokenizer_info)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     return app
@@ -153,7 +156,8 @@ class _Api:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
         req = parse_request(model, body)
-        if req.model not in self.settings.served_model_names:
+        optional = model in (TokenizeRequest, DetokenizeRequest)  # vLLM's tokenizer routes may leave it out
+        if not (optional and req.model is None) and req.model not in self.settings.served_model_names:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                            f"{', '.join(self.settings.served_model_names)}", "not_found_error",
                            param="model", code="model_not_found")
@@ -184,6 +188,29 @@ class _Api:
              "root": self.engine.engine.config.model, "max_model_len": self.max_model_len,
              "speculative": {"method": s.spec_method, "num_speculative_tokens": s.num_speculative_tokens}}
             for name in s.served_model_names]}
+
+    # -- the tokenizer (vLLM's routes: lm-evaluation-harness's remote tokenizer uses them) -----
+    async def tokenizer_info(self, request: Request) -> dict:
+        self._authorize(request)
+        tok = self.tokenizer
+        name = lambda i: None if i is None else tok.id_to_token(i)  # noqa: E731
+        return {"tokenizer_class": "quickdraft", "eos_token": name(tok.eos_token_ids[0] if tok.eos_token_ids else None),
+                "bos_token": name(tok.bos_token_id), "pad_token": None, "add_bos_token": tok.add_bos_token,
+                "chat_template": tok.chat_template, "model_max_length": self.max_model_len}
+
+    async def tokenize(self, request: Request) -> dict:
+        req: TokenizeRequest = await self._parse(request, TokenizeRequest)
+        ids = self.tokenizer.encode(req.prompt)
+        if req.add_special_tokens is False and self.tokenizer.add_bos_token and ids[:1] == [self.tokenizer.bos_token_id]:
+            ids = ids[1:]
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, request: Request) -> dict:
+        req: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
+        vocab = self.engine.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must lie in [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     # -- generation -------------------------------------------------------------------------
     async def completions(self, request: Request):

@@ -203,6 +203,27 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize`` (what lm-evaluation-harness's remote tokenizer calls)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = None  # true (the default): BOS where the model file asks for it
+
+    def check(self) -> None:
+        pass
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 _UNION_HINTS = {
     "prompt": "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",

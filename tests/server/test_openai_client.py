@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -180,3 +181,30 @@ def test_echo_gives_the_prompts_logprobs(client, plain_server):
     assert head.choices[0].text == " Paris"
     paris = lp.tokens.index(" Paris")
     assert lp.token_logprobs[paris] == head.choices[0].logprobs.token_logprobs[0]
+
+
+def test_tokenizer_routes_and_an_lm_eval_loglikelihood_request(ngram_server):
+    """vLLM's /tokenizer_info, /tokenize and /detokenize (lm-evaluation-harness's remote tokenizer),
+    and the body its log-likelihood requests send (token ids, echo, logprobs=1, max_tokens=1),
+    read the way it reads the answer: the continuation's logprobs and whether each was the best."""
+    url, headers = ngram_server.url, ngram_server.headers
+    info = httpx.get(url + "/tokenizer_info", headers=headers).json()
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] > 0
+    assert httpx.get(url + "/tokenizer_info").status_code == 401  # the API key guards it as it guards /v1
+    context, continuation = "The capital of France is", " Paris"
+    ctx = httpx.post(url + "/tokenize", headers=headers, json={"prompt": context, "add_special_tokens": False}).json()
+    whole = httpx.post(url + "/tokenize", headers=headers, json={"prompt": context + continuation}).json()
+    assert whole["tokens"][: ctx["count"]] == ctx["tokens"] and whole["count"] > ctx["count"]
+    back = httpx.post(url + "/detokenize", headers=headers, json={"tokens": whole["tokens"]}).json()
+    assert back["prompt"] == context + continuation
+    bad = httpx.post(url + "/detokenize", headers=headers, json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(url + "/tokenize", headers=headers, json={"model": "gpt-5", "prompt": "x"}).status_code == 404
+    body = {"model": MODEL, "prompt": [whole["tokens"]], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    choice = httpx.post(url + "/v1/completions", headers=headers, json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == whole["count"] + 1  # the prompt's tokens and the one generated
+    scored, tops = lp["token_logprobs"][ctx["count"] : -1], lp["top_logprobs"][ctx["count"] : -1]
+    assert scored and all(x < 0.0 for x in scored)
+    assert all(t == max(top.values()) for t, top in zip(scored, tops))  # " Paris" is the greedy continuation
