@@ -44,6 +44,14 @@ class SamplingParams:
     logprobs: int | None = None
     # the same for the prompt's tokens (the first has none), from the prompt's pass
     prompt_logprobs: int | None = None
+    # rules on the logits by the text so far (verify/penalties.py): OpenAI's presence and frequency
+    # penalties (over the output), vLLM's repetition penalty (prompt and output), a logit bias
+    # ((token id, amount) pairs; a dict is taken too), and no end of sequence before min_tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +70,20 @@ class SamplingParams:
             raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items())))
+        elif self.logit_bias is None:
+            object.__setattr__(self, "logit_bias", ())
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", name)
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            raise ConfigError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}", "repetition_penalty")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ConfigError("logit_bias values must be in [-100, 100]", "logit_bias")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
+                              "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):

@@ -21,6 +21,7 @@ from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence, TokenLogprob
 from quickdraft.proposers.base import DraftProposal, Proposer
 from quickdraft.sampling import BatchSampling, draw_uniforms
+from quickdraft.verify.penalties import shape_rows, shapes_logits
 from quickdraft.verify.rejection import VerifyOutput, verify
 
 
@@ -63,7 +64,7 @@ class Runner:
         logits = self._score(seqs, proposal)  # [num_draft_tokens + batch, V]
         ok = self._finite_rows(logits, proposal.num_tokens)  # [batch] bool
         outcome = verify(
-            proposal.token_ids.to(logits.device), proposal.num_tokens, logits,
+            proposal.token_ids.to(logits.device), proposal.num_tokens, self._shaped(seqs, proposal, logits),
             None if proposal.probs is None else proposal.probs.to(logits.device),
             BatchSampling.from_params([s.params for s in seqs], logits.device),
             self._uniforms(seqs, proposal.num_tokens).to(logits.device),
@@ -124,6 +125,22 @@ class Runner:
             if n is not None and r.token_ids:
                 r.logprobs = _token_logprobs(logits[start : start + len(r.token_ids)], r.token_ids, n)
             start += k + 1
+
+    def _shaped(self, seqs: list[Sequence], proposal: DraftProposal, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the verifier judges by: where a request has penalties, a bias or
+        min_tokens, its rows shaped by the text up to each row (verify/penalties.py), in a copy (the
+        raw rows stay for logprobs); the logits themselves where none has."""
+        if not any(shapes_logits(s.params) for s in seqs):
+            return logits
+        shaped, drafts = logits.float().clone(), proposal.token_ids.tolist()
+        eos = list(self.target.config.eos_token_ids)
+        start = at = 0
+        for s, k in zip(seqs, proposal.num_tokens):
+            if shapes_logits(s.params):
+                shape_rows(shaped[start : start + k + 1], s.params, s.prompt_token_ids, s.output_token_ids,
+                           drafts[at : at + k], eos)
+            start, at = start + k + 1, at + k
+        return shaped
 
     @staticmethod
     def _finite_rows(logits: torch.Tensor, num_tokens: list[int]) -> list[bool]:

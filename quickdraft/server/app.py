@@ -244,6 +244,9 @@ class _Api:
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
             stop=req.stop_list(), ignore_eos=bool(req.ignore_eos), num_speculative_tokens=req.speculation_cap,
             logprobs=req.logprob_count, prompt_logprobs=None if chat else req.prompt_logprob_count,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.bias(), min_tokens=min(req.min_tokens or 0, limit),
         )
 
     async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
@@ -256,6 +259,9 @@ class _Api:
                 raise APIError(400, f"the prompt has {len(p)} tokens, but the context holds {self.max_model_len}: "
                                "no room is left to generate", param="messages" if chat else "prompt",
                                code="context_length_exceeded")
+        vocab = self.engine.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.bias()):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         ids, flat, params = [], [], []
         for p_index, prompt in enumerate(prompts):

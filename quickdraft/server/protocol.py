@@ -72,6 +72,8 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM's extension
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
     # accepted and ignored: they change nothing here
     user: str | None = None
     store: bool | None = None
@@ -92,12 +94,21 @@ class _Sampling(_Strict):
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported by quickdraft (only 0)", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by quickdraft", param="logit_bias")
+        self.bias()
         self.stop_list()
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (OpenAI sends them as strings)."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for {key}", param="logit_bias")
+            out[token] = value
+        return out
 
     @property
     def include_usage(self) -> bool:

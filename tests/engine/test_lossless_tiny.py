@@ -205,3 +205,18 @@ def test_logprobs_are_plain_decodings():
         assert [(t.logprob, t.top) for t in a.prompt_logprobs[1:]] == [(t.logprob, t.top) for t in b.prompt_logprobs[1:]]
     plain = run(None, PROMPTS[:1], [SamplingParams(max_tokens=4, temperature=0)])[0][0]
     assert plain.logprobs is None and plain.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("kind", ["always", "never", "between"])
+def test_penalties_and_bias_under_speculation_equal_plain(kind):
+    """Frequency, presence and repetition penalties and a logit bias change the output; with
+    speculation (each verified row shaped by the drafts before it) it is plain decoding's."""
+    shaped = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.4,
+                            repetition_penalty=1.3, logit_bias={5: 2.0, 17: -3.0})
+    params = [shaped] * len(PROMPTS)
+    base = [o.token_ids for o in run(None, PROMPTS, params)[0]]
+    unshaped = [o.token_ids for o in run(None, PROMPTS, [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 3)[0]]
+    assert base != unshaped  # the rules do something here
+    spec = {"method": "draft_model", "model": DRAFTS[kind], "num_speculative_tokens": 3}
+    outs, stats = run(spec, PROMPTS, params)
+    assert [o.token_ids for o in outs] == base and stats.num_draft_tokens > 0

@@ -208,3 +208,25 @@ def test_tokenizer_routes_and_an_lm_eval_loglikelihood_request(ngram_server):
     scored, tops = lp["token_logprobs"][ctx["count"] : -1], lp["top_logprobs"][ctx["count"] : -1]
     assert scored and all(x < 0.0 for x in scored)
     assert all(t == max(top.values()) for t, top in zip(scored, tops))  # " Paris" is the greedy continuation
+
+
+def test_penalties_and_bias_are_plain_decodings_under_speculation(client, plain_server):
+    """presence/frequency penalties, logit_bias and vLLM's repetition_penalty and min_tokens: the
+    speculating server's text is the plain server's, and the rules do change it."""
+    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    text = "the quick brown fox jumps over the lazy dog. " * 3
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": f"Repeat this text exactly: {text}"}], max_tokens=32,
+              temperature=0)
+    base = client.chat.completions.create(**kw).choices[0].message.content
+    banned = plain.completions.create(model=MODEL, prompt="One, two,", max_tokens=1, temperature=0, logprobs=1)
+    ban_id = httpx.post(plain_server.url + "/tokenize", headers=plain_server.headers,
+                        json={"prompt": banned.choices[0].text, "add_special_tokens": False}).json()["tokens"][0]
+    rules = dict(frequency_penalty=0.2, presence_penalty=0.1, logit_bias={str(ban_id): -100},
+                 extra_body={"repetition_penalty": 1.05, "min_tokens": 20})
+    spec = client.chat.completions.create(**kw, **rules)
+    ref = plain.chat.completions.create(**kw, **rules)
+    assert spec.choices[0].message.content == ref.choices[0].message.content != base
+    assert _spec(spec.usage)["num_draft_tokens"] > 0 and spec.usage.completion_tokens >= 20
+    c = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0,
+                                  logit_bias={str(ban_id): -100})
+    assert not c.choices[0].text.startswith(banned.choices[0].text)
