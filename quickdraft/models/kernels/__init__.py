@@ -28,7 +28,7 @@ from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp")  # compiled into one module
-HEADERS = ("tiles.h",)  # included by linear.cpp and blocks.cpp
+HEADERS = ("tiles.h", "entry.h")  # tiles.h: the walk (linear.cpp, blocks.cpp); entry.h: the entry points
 ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 
 

@@ -1,0 +1,32 @@
+// The module's entry points, one declaration each: linear.cpp registers them with Python, and
+// layer.cpp strings them into a decoder layer.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// linear.cpp: dense and int8 weights
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor wsum,
+                        c10::optional<torch::Tensor> bias);
+
+// blocks.cpp: GGUF block formats
+torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
+                                              std::vector<c10::optional<torch::Tensor>> biases);
+
+// attention.cpp
+torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);
+
+// rowwise.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions);
+
+// layer.cpp
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
+                            std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
+                            std::vector<int64_t> context_lens, std::vector<int64_t> query_lens, int64_t heads, int64_t kv_heads,
+                            double eps, double scale);
