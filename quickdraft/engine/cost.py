@@ -8,8 +8,9 @@ batch-size switch (vLLM's ``disable_by_batch_size``) is right for one workload a
 next, so the engine plans each step the way SmartSpec (Liu et al. 2024, "goodput") does:
 
 * ``LinearCost``: seconds = a + b * rows + b' * max(0, rows - KNEE) + s * chains + c * keys
-  read, for one pass of a model (rows cost less while a pass is short: see KNEE), fitted by least squares to a short calibration at start-up (9 s for a 1.5B on this CPU,
-  once per loaded model and process) and refitted to the passes the engine times afterwards, so
+  read, for one pass of a model (rows cost less while a pass is short: see KNEE), fitted by
+  least squares to a short calibration at start-up (9 s for a 1.5B on this CPU, once per loaded
+  model and process) and refitted to the passes the engine times afterwards, so
   the model follows the machine (a shared machine's speed drifts).
 * Each sequence's acceptance rate alpha is estimated from its own recent passes, shrunk towards
   the engine-wide rate while it has few; under the usual i.i.d. model a chain of k drafts yields
