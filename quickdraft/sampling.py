@@ -33,6 +33,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p times the most likely one (0: off)
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -68,6 +69,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}", "top_k")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}", "seed")
         if isinstance(self.logit_bias, dict):
@@ -106,6 +109,7 @@ class BatchSampling:
     temperature: Tensor  # [batch] float32, 0 = greedy
     top_k: Tensor  # [batch] int64, <= 0 = off
     top_p: Tensor  # [batch] float32, 1 = off
+    min_p: Tensor  # [batch] float32, 0 = off
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
@@ -113,6 +117,7 @@ class BatchSampling:
             temperature=torch.tensor([float(s.temperature) for s in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([int(s.top_k) for s in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([float(s.top_p) for s in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([float(s.min_p) for s in params], dtype=torch.float32, device=device),
         )
 
     @property
@@ -123,20 +128,22 @@ class BatchSampling:
         return self.temperature.shape[0]
 
     def to(self, device: torch.device | str) -> BatchSampling:
-        return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
+        return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device), self.min_p.to(device))
 
     def select(self, index: Tensor) -> BatchSampling:
         """The rows ``index`` ([n] int64), e.g. each sequence's row repeated for its K + 1 positions."""
-        return BatchSampling(self.temperature[index], self.top_k[index], self.top_p[index])
+        return BatchSampling(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
 
 
-def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                    min_p: Tensor | None = None) -> Tensor:
     """Shaped probabilities [N, V] float32 from ``logits`` [N, V] (any float dtype; computed in
-    float32) with per-row ``temperature`` [N], ``top_k`` [N] and ``top_p`` [N].
+    float32) with per-row ``temperature`` [N], ``top_k`` [N], ``top_p`` [N] and ``min_p`` [N].
 
     Order: divide by temperature, keep the top-k, then keep the top-p nucleus of what is left
     (the smallest set of highest tokens whose mass is >= top_p; ties at a cut-off are kept, see
-    ``_top_k_top_p``), softmax. Rows with temperature 0 are greedy: a one-hot at the argmax (lowest
+    ``_top_k_top_p``), softmax, then drop what is less likely than min_p times the most likely
+    token and renormalize. Rows with temperature 0 are greedy: a one-hot at the argmax (lowest
     id on ties). V can be 151936 and this runs for every token: without filtering rows there is no
     sort at all, with them a partial one (torch.topk), a full sort only where that is too narrow.
     """
@@ -153,6 +160,10 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
         rows = filtered.nonzero().squeeze(1)  # [M]
         scaled[rows] = _top_k_top_p(scaled[rows], top_k[rows], top_p[rows])
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    if min_p is not None and bool(((min_p > 0) & ~greedy).any()):
+        floor = (min_p * probs.max(dim=-1).values).unsqueeze(1)  # [N, 1]; 0 where off
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if bool(greedy.any()):
         probs = torch.where(greedy.unsqueeze(1), _one_hot_argmax(logits), probs)
     return probs

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from quickdraft import sampling
+from quickdraft.errors import ConfigError
 from quickdraft.sampling import (
     BatchSampling,
     SamplingParams,
@@ -193,3 +194,14 @@ def test_large_vocab_greedy_and_filtered(vocab):
     probs = logits_to_probs(logits, torch.tensor([0.0, 0.7]), torch.tensor([0, 50]), torch.tensor([1.0, 0.9]))
     assert probs[0].argmax() == logits[0].argmax() and probs[0].sum() == 1
     assert 1 <= int((probs[1] > 0).sum()) <= 50
+
+
+def test_min_p_drops_the_unlikely_and_renormalizes():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    probs = logits_to_probs(logits, torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 1.0]),
+                            torch.tensor([0.4, 0.0, 0.4]))
+    assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))  # 0.15 and 0.05 < 0.4 * 0.5
+    assert torch.allclose(probs[1], torch.tensor([0.5, 0.3, 0.15, 0.05]))  # off
+    assert probs[2].tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy stays greedy
+    with pytest.raises(ConfigError):
+        SamplingParams(min_p=1.5)

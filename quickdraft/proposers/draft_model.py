@@ -152,7 +152,7 @@ class DraftModelProposer:
 def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Tensor):
     """logits [n, N] over the head's rows, the rows' sampling parameters [n] and uniforms [n]
     -> rows [n] (the argmax for greedy rows) and the q [n, N] they were drawn from."""
-    q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+    q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     return torch.where(batch.greedy, logits.argmax(-1), sample_from_probs(q, uniforms)), q
 
 

@@ -241,7 +241,7 @@ class _Api:
         seed = None if req.seed is None else (req.seed + index) % 2**64  # choices differ, reproducibly
         return SamplingParams(
             max_tokens=limit, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=seed,
             stop=req.stop_list(), ignore_eos=bool(req.ignore_eos), num_speculative_tokens=req.speculation_cap,
             logprobs=req.logprob_count, prompt_logprobs=None if chat else req.prompt_logprob_count,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,

@@ -74,6 +74,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM's extension
     min_tokens: int | None = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension
     # accepted and ignored: they change nothing here
     user: str | None = None
     store: bool | None = None

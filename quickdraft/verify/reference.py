@@ -43,6 +43,7 @@ def reference_verify(
         torch.full((rows,), float(params.temperature), dtype=torch.float32),
         torch.full((rows,), int(params.top_k), dtype=torch.int64),
         torch.full((rows,), float(params.top_p), dtype=torch.float32),
+        torch.full((rows,), float(params.min_p), dtype=torch.float32),
     )
     q = [_q_i(x, draft_probs, i, p.shape[1]) for i in range(1, gamma + 1)]
     r = uniforms[:gamma]

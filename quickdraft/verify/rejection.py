@@ -130,7 +130,7 @@ def _sampled_step(
 ) -> tuple[Tensor, Tensor]:
     """Rejection-sampling acceptance [num_draft_tokens] bool and final tokens [batch] for every sequence."""
     rows = sampling.select(layout.row_seq)  # [num_rows]
-    p = logits_to_probs(target_logits, rows.temperature, rows.top_k, rows.top_p)  # [num_rows, V]
+    p = logits_to_probs(target_logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p)  # [num_rows, V]
     p_draft = p[layout.draft_row, draft_token_ids]  # [num_draft_tokens]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)  # [num_draft_tokens]

@@ -230,3 +230,12 @@ def test_penalties_and_bias_are_plain_decodings_under_speculation(client, plain_
     c = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0,
                                   logit_bias={str(ban_id): -100})
     assert not c.choices[0].text.startswith(banned.choices[0].text)
+
+
+def test_min_p_of_one_is_greedy_under_speculation(client):
+    """vLLM's min_p: at 1.0 only the most likely token survives, so sampling at any temperature is
+    greedy decoding, speculation or not."""
+    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=16)
+    greedy = client.completions.create(**kw, temperature=0)
+    hot = client.completions.create(**kw, temperature=1.5, seed=3, extra_body={"min_p": 1.0})
+    assert hot.choices[0].text == greedy.choices[0].text

@@ -38,7 +38,7 @@ TARGET, DRAFT = markov_logits(1), markov_logits(2)
 def shaped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [n, V] -> probs [n, V] with one request's params on every row."""
     batch = BatchSampling.from_params([params]).select(torch.zeros(logits.shape[0], dtype=torch.int64))
-    return logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+    return logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
 
 
 def truncated_draft(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, subset: torch.Tensor,
@@ -129,6 +129,8 @@ CASES = {
     "top-k, top-p, temperature on both": (SamplingParams(temperature=0.8, top_k=5, top_p=0.85), False),
     "point-mass drafts": (SamplingParams(temperature=1.0), True),
     "point-mass drafts, shaped": (SamplingParams(temperature=1.3, top_k=6, top_p=0.9), True),
+    "min_p on both": (SamplingParams(temperature=1.0, min_p=0.3), False),
+    "point-mass drafts, min_p": (SamplingParams(temperature=1.2, min_p=0.2), True),
 }
 
 
