@@ -41,7 +41,7 @@ class SamplingParams:
     # plain decoding; a larger value than the engine's is capped there (a cap, never a raise)
     num_speculative_tokens: int | None = None
     # None: no log-probabilities; N >= 0: each output token's, and the N most likely at its position
-    # (the target's own distribution, before temperature, top-k and top-p, as vLLM reports it)
+    # (the target's raw distribution, before temperature, top-k, top-p, min_p and penalties, as vLLM reports it)
     logprobs: int | None = None
     # the same for the prompt's tokens (the first has none), from the prompt's pass
     prompt_logprobs: int | None = None

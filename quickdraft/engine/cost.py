@@ -44,10 +44,10 @@ CALIBRATION = ((1, 1, 0), (1, 4, 0), (1, 16, 0), (1, 32, 0), (1, 1, 256), (1, 8,
                (4, 4, 256), (8, 2, 256))
 RECENT = 64  # passes kept for the refit
 # Rows past this many cost more each: the stored-block kernels are near the memory bound for a few
-# rows and compute bound past it (the 1.5B here: ~8 ms a row from 1 to 4 rows, ~12 past 8; the
-# 0.5B draft: ~1.5 ms a row, then ~4). One straight line through 1..32 rows put the 1.5B's one-row
-# pass at 31 ms for a measured 36-43 and the draft's at 10.5 for 13.5-14, and so planned no
-# drafts for a draft model whose fixed K=4 was faster than plain decoding.
+# rows and compute bound past it (AMD EPYC, 2 cores, Q4_K_M blocks; the 1.5B: ~7 ms a row from 1
+# to 4 rows, ~12 past 8; the 0.5B draft: ~1.5 ms a row, then ~4). One straight line through 1..32
+# rows put the 1.5B's one-row pass at 31 ms for a measured 36-43 and the draft's at 10.5 for
+# 13.5-14, and so planned K=1 where fixed K=4 was faster (tests/engine/test_cost.py).
 KNEE = 4
 ANCHOR_WEIGHT = 2.0  # a calibration point weighs as much as this many timed passes
 

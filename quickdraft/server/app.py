@@ -189,6 +189,12 @@ class _Api:
              "speculative": {"method": s.spec_method, "num_speculative_tokens": s.num_speculative_tokens}}
             for name in s.served_model_names]}
 
+    def _check_ids(self, ids, what: str, param: str) -> None:
+        """A 400 unless every id is one of the model's tokens."""
+        vocab = self.engine.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{what} must lie in [0, {vocab})", param=param)
+
     # -- the tokenizer (vLLM's routes: lm-evaluation-harness's remote tokenizer uses them) -----
     async def tokenizer_info(self, request: Request) -> dict:
         self._authorize(request)
@@ -207,19 +213,16 @@ class _Api:
 
     async def detokenize(self, request: Request) -> dict:
         req: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
-        vocab = self.engine.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"token ids must lie in [0, {vocab})", param="tokens")
+        self._check_ids(req.tokens, "token ids", "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     # -- generation -------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: CompletionRequest = await self._parse(request, CompletionRequest)
-        vocab = self.engine.engine.model.config.vocab_size
         prompts = []
         for p in req.prompts():
-            if isinstance(p, list) and any(not 0 <= t < vocab for t in p):
-                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            if isinstance(p, list):
+                self._check_ids(p, "prompt token ids", "prompt")
             prompts.append(self.tokenizer.encode(p) if isinstance(p, str) else p)
         return await self._generate(request, req, prompts, chat=False)
 
@@ -259,9 +262,7 @@ class _Api:
                 raise APIError(400, f"the prompt has {len(p)} tokens, but the context holds {self.max_model_len}: "
                                "no room is left to generate", param="messages" if chat else "prompt",
                                code="context_length_exceeded")
-        vocab = self.engine.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in req.bias()):
-            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
+        self._check_ids(req.bias(), "logit_bias keys must be token ids that", "logit_bias")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         ids, flat, params = [], [], []
         for p_index, prompt in enumerate(prompts):

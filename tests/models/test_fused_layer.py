@@ -15,7 +15,7 @@ import torch
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BLOCKS, BlockWeight
-from quickdraft.models.kernels import block_linear as fused_layer_module
+from quickdraft.models.kernels import block_linear
 from quickdraft.models.kernels import fused_layer
 from quickdraft.models.tiny import random_weights, tiny_config
 
@@ -124,9 +124,9 @@ def test_many_weights_in_one_call_are_one_call_each(rows):
     ws = [random_block_weight("Q4_K", (n, 512), rng) for n in (96, 32, 32)]
     biases = [torch.randn(96), None, torch.randn(32)]
     x = torch.randn(rows, 512).to(torch.bfloat16)
-    many = fused_layer_module().linear_blocks_many(x, [w.data for w in ws], ws[0].format.kind, 512, biases)
+    many = block_linear().linear_blocks_many(x, [w.data for w in ws], ws[0].format.kind, 512, biases)
     for w, b, y in zip(ws, biases, many):
         assert torch.equal(y, w.linear(x, b))
     with pytest.raises(RuntimeError, match="bytes a row"):  # one format and one K, or a clear error
-        fused_layer_module().linear_blocks_many(x, [ws[0].data, random_block_weight("Q4_K", (8, 256), rng).data],
+        block_linear().linear_blocks_many(x, [ws[0].data, random_block_weight("Q4_K", (8, 256), rng).data],
                                                 ws[0].format.kind, 512, [None, None])

@@ -21,6 +21,12 @@ def client(ngram_server):
 
 
 @pytest.fixture(scope="module")
+def plain_client(plain_server):
+    """The same model served without speculation: what a speculating server must answer too."""
+    return openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
 def aclient_url(ngram_server):
     return ngram_server.url + "/v1"
 
@@ -127,14 +133,13 @@ def test_a_request_caps_its_own_speculation(client):
             client.chat.completions.create(**kw, extra_body={"speculative": bad})
 
 
-def test_logprobs_are_plain_decodings_under_speculation(client, plain_server):
+def test_logprobs_are_plain_decodings_under_speculation(client, plain_client):
     """Chat ``logprobs`` + ``top_logprobs`` and the completions API's ``logprobs``: each token's
     log-probability is taken from the pass that verified it, so a speculating server reports
     exactly what a plain one does, streamed or not."""
-    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Count from one to twenty in words."}],
               max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
-    spec, base = client.chat.completions.create(**kw), plain.chat.completions.create(**kw)
+    spec, base = client.chat.completions.create(**kw), plain_client.chat.completions.create(**kw)
     assert _spec(spec.usage)["num_draft_tokens"] > 0
     got, want = spec.choices[0].logprobs.content, base.choices[0].logprobs.content
     assert [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in got] == \
@@ -148,7 +153,7 @@ def test_logprobs_are_plain_decodings_under_speculation(client, plain_server):
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in got]
 
     ckw = dict(model=MODEL, prompt="One, two, three, four,", max_tokens=16, temperature=0, logprobs=2)
-    c_spec, c_base = client.completions.create(**ckw), plain.completions.create(**ckw)
+    c_spec, c_base = client.completions.create(**ckw), plain_client.completions.create(**ckw)
     lp = c_spec.choices[0].logprobs
     assert lp.token_logprobs == c_base.choices[0].logprobs.token_logprobs and lp.tokens == c_base.choices[0].logprobs.tokens
     assert "".join(lp.tokens) == c_spec.choices[0].text and all(len(d) <= 2 for d in lp.top_logprobs)
@@ -157,14 +162,13 @@ def test_logprobs_are_plain_decodings_under_speculation(client, plain_server):
     assert none.choices[0].logprobs is None and none.choices[0].text == c_spec.choices[0].text
 
 
-def test_echo_gives_the_prompts_logprobs(client, plain_server):
+def test_echo_gives_the_prompts_logprobs(client, plain_client):
     """``echo`` with ``logprobs`` (what lm-evaluation-harness's log-likelihood tasks send): the
     text starts with the prompt, and the logprobs cover the prompt's tokens (the first has none)
     and then the output's, the same with speculation as without."""
-    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     kw = dict(model=MODEL, prompt="The capital of France is Paris. The capital of Italy is", max_tokens=4,
               temperature=0, logprobs=1, echo=True)
-    r, p = client.completions.create(**kw), plain.completions.create(**kw)
+    r, p = client.completions.create(**kw), plain_client.completions.create(**kw)
     lp = r.choices[0].logprobs
     assert r.choices[0].text.startswith(kw["prompt"]) and r.choices[0].text == p.choices[0].text
     prompt_len = r.usage.prompt_tokens
@@ -210,21 +214,20 @@ def test_tokenizer_routes_and_an_lm_eval_loglikelihood_request(ngram_server):
     assert all(t == max(top.values()) for t, top in zip(scored, tops))  # " Paris" is the greedy continuation
 
 
-def test_penalties_and_bias_are_plain_decodings_under_speculation(client, plain_server):
+def test_penalties_and_bias_are_plain_decodings_under_speculation(client, plain_client, plain_server):
     """presence/frequency penalties, logit_bias and vLLM's repetition_penalty and min_tokens: the
     speculating server's text is the plain server's, and the rules do change it."""
-    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     text = "the quick brown fox jumps over the lazy dog. " * 3
     kw = dict(model=MODEL, messages=[{"role": "user", "content": f"Repeat this text exactly: {text}"}], max_tokens=32,
               temperature=0)
     base = client.chat.completions.create(**kw).choices[0].message.content
-    banned = plain.completions.create(model=MODEL, prompt="One, two,", max_tokens=1, temperature=0, logprobs=1)
+    banned = plain_client.completions.create(model=MODEL, prompt="One, two,", max_tokens=1, temperature=0, logprobs=1)
     ban_id = httpx.post(plain_server.url + "/tokenize", headers=plain_server.headers,
                         json={"prompt": banned.choices[0].text, "add_special_tokens": False}).json()["tokens"][0]
     rules = dict(frequency_penalty=0.2, presence_penalty=0.1, logit_bias={str(ban_id): -100},
                  extra_body={"repetition_penalty": 1.05, "min_tokens": 20})
     spec = client.chat.completions.create(**kw, **rules)
-    ref = plain.chat.completions.create(**kw, **rules)
+    ref = plain_client.chat.completions.create(**kw, **rules)
     assert spec.choices[0].message.content == ref.choices[0].message.content != base
     assert _spec(spec.usage)["num_draft_tokens"] > 0 and spec.usage.completion_tokens >= 20
     c = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0,

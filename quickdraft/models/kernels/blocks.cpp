@@ -173,114 +173,89 @@ T* scratch(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
-template <int KIND, int MB, int NB>
+// Weight row n against rows m0 .. m0 + MB - 1 of x. One weight row at a time: tiles of 2 or 4
+// interleaved weight rows would share each x vector over more weights, but read memory 2-3x
+// slower (see run).
+template <int KIND, int MB>
 inline void tile(const Rows& x, const uint8_t* W, int64_t row_bytes, const float* B, const Out& y, int64_t N,
-                 int64_t m0, int64_t n0) {
+                 int64_t m0, int64_t n) {
   using F = Format<KIND>;
-  static_assert(!(F::SIX || F::FIVE) || NB == 1, "5- and 6-bit values are unpacked for one weight row at a time");
   const int64_t K = x.K, G = x.G, nb = K / F::L;
-  __m512 f[NB][MB];
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) f[i][j] = _mm512_setzero_ps();
+  __m512 f[MB];
+  for (int j = 0; j < MB; ++j) f[j] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t gi = 0; gi < G; ++gi) {
     const int g = lanes(nb, gi);
     const __mmask16 mask = static_cast<__mmask16>((1u << g) - 1);
     const int64_t stride = 4 * g;  // bytes a vector
-    const uint8_t* rec[NB];
-    for (int i = 0; i < NB; ++i) rec[i] = W + (n0 + i) * row_bytes + gi * F::record(16);
+    const uint8_t* rec = W + n * row_bytes + gi * F::record(16);
     const int8_t* xq[MB];
-    __m512i acc[NB][MB];
+    __m512i acc[MB];
     for (int j = 0; j < MB; ++j) {
       xq[j] = x.q + (m0 + j) * K + gi * 16 * F::L;
-      const __m512i init = _mm512_loadu_si512(x.init + ((m0 + j) * G + gi) * 16);
-      for (int i = 0; i < NB; ++i) acc[i][j] = init;
+      acc[j] = _mm512_loadu_si512(x.init + ((m0 + j) * G + gi) * 16);
     }
     // the values: each vector loaded (and its nibbles split) once, then used for every row
     if constexpr (F::SIX) {
       // 6-bit values in 3 vectors: steps 0 and 1 as nibbles, then 2 and 3, then the high 2 bits
       // of all 4 steps (step s in bits 2s, 2s + 1 of each byte)
-      const uint8_t* at = rec[0];
-      for (int v = 0; v < 3; ++v) _mm_prefetch(reinterpret_cast<const char*>(at + v * stride + PREFETCH), _MM_HINT_T0);
-      const __m512i n01 = _mm512_maskz_loadu_epi32(mask, at), n23 = _mm512_maskz_loadu_epi32(mask, at + stride);
-      const __m512i hb = _mm512_maskz_loadu_epi32(mask, at + 2 * stride), two = _mm512_set1_epi8(0x30);
+      for (int v = 0; v < 3; ++v) _mm_prefetch(reinterpret_cast<const char*>(rec + v * stride + PREFETCH), _MM_HINT_T0);
+      const __m512i n01 = _mm512_maskz_loadu_epi32(mask, rec), n23 = _mm512_maskz_loadu_epi32(mask, rec + stride);
+      const __m512i hb = _mm512_maskz_loadu_epi32(mask, rec + 2 * stride), two = _mm512_set1_epi8(0x30);
       const __m512i w6[4] = {
           _mm512_or_si512(_mm512_and_si512(n01, low), _mm512_and_si512(_mm512_slli_epi16(hb, 4), two)),
           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n01, 4), low), _mm512_and_si512(_mm512_slli_epi16(hb, 2), two)),
           _mm512_or_si512(_mm512_and_si512(n23, low), _mm512_and_si512(hb, two)),
           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n23, 4), low), _mm512_and_si512(_mm512_srli_epi16(hb, 2), two))};
       for (int j = 0; j < MB; ++j)
-        for (int s = 0; s < 4; ++s) acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], w6[s], _mm512_loadu_si512(xq[j] + s * stride));
+        for (int s = 0; s < 4; ++s) acc[j] = _mm512_dpbusd_epi32(acc[j], w6[s], _mm512_loadu_si512(xq[j] + s * stride));
     }
     if constexpr (F::FIVE) {
       // 5-bit values in 5 vectors: steps 2p and 2p + 1 as nibbles (p = 0..3), then the high bit
       // of all 8 steps (step s in bit s of each byte)
-      const uint8_t* at = rec[0];
-      const __m512i hb = _mm512_maskz_loadu_epi32(mask, at + 4 * stride), bit = _mm512_set1_epi8(0x10);
-      _mm_prefetch(reinterpret_cast<const char*>(at + 4 * stride + PREFETCH), _MM_HINT_T0);
+      const __m512i hb = _mm512_maskz_loadu_epi32(mask, rec + 4 * stride), bit = _mm512_set1_epi8(0x10);
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * stride + PREFETCH), _MM_HINT_T0);
       const __m512i high[8] = {_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 3), _mm512_slli_epi16(hb, 2),
                                _mm512_slli_epi16(hb, 1), hb, _mm512_srli_epi16(hb, 1), _mm512_srli_epi16(hb, 2),
                                _mm512_srli_epi16(hb, 3)};
       for (int p = 0; p < 4; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(at + p * stride + PREFETCH), _MM_HINT_T0);
-        const __m512i packed = _mm512_maskz_loadu_epi32(mask, at + p * stride);
+        _mm_prefetch(reinterpret_cast<const char*>(rec + p * stride + PREFETCH), _MM_HINT_T0);
+        const __m512i packed = _mm512_maskz_loadu_epi32(mask, rec + p * stride);
         const __m512i w0 = _mm512_or_si512(_mm512_and_si512(packed, low), _mm512_and_si512(high[2 * p], bit));
         const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
                                            _mm512_and_si512(high[2 * p + 1], bit));
         for (int j = 0; j < MB; ++j) {
-          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], w0, _mm512_loadu_si512(xq[j] + 2 * p * stride));
-          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], w1, _mm512_loadu_si512(xq[j] + (2 * p + 1) * stride));
+          acc[j] = _mm512_dpbusd_epi32(acc[j], w0, _mm512_loadu_si512(xq[j] + 2 * p * stride));
+          acc[j] = _mm512_dpbusd_epi32(acc[j], w1, _mm512_loadu_si512(xq[j] + (2 * p + 1) * stride));
         }
       }
     }
     for (int v = 0; v < (F::SIX || F::FIVE ? 0 : F::VECTORS); ++v) {
-      __m512i w[NB], w2[NB];
-      for (int i = 0; i < NB; ++i) {
-        const uint8_t* at = rec[i] + v * stride;
-        _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH), _MM_HINT_T0);
-        const __m512i packed = _mm512_maskz_loadu_epi32(mask, at);
-        if constexpr (F::NIBBLES) {
-          w[i] = _mm512_and_si512(packed, low);
-          w2[i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        } else {
-          w[i] = packed;
-        }
-      }
-      for (int j = 0; j < MB; ++j) {
-        if constexpr (F::NIBBLES) {
-          const __m512i x0 = _mm512_loadu_si512(xq[j] + 2 * v * stride);
-          const __m512i x1 = _mm512_loadu_si512(xq[j] + (2 * v + 1) * stride);
-          for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][j], w[i], x0), w2[i], x1);
-        } else {
-          const __m512i x0 = _mm512_loadu_si512(xq[j] + v * stride);
-          for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], w[i], x0);
-        }
+      const uint8_t* at = rec + v * stride;
+      _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH), _MM_HINT_T0);
+      const __m512i packed = _mm512_maskz_loadu_epi32(mask, at);
+      if constexpr (F::NIBBLES) {  // steps 2v and 2v + 1
+        const __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        for (int j = 0; j < MB; ++j)
+          acc[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[j], w0, _mm512_loadu_si512(xq[j] + 2 * v * stride)), w1,
+                                       _mm512_loadu_si512(xq[j] + (2 * v + 1) * stride));
+      } else {
+        for (int j = 0; j < MB; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], packed, _mm512_loadu_si512(xq[j] + v * stride));
       }
     }
     // each lane's exact block sum meets float once: f += sum * (w scale * x scale) (- min * x scale * sum(q))
-    __m512 ws[NB], mn[NB];
-    for (int i = 0; i < NB; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(rec[i] + F::values(g) + PREFETCH), _MM_HINT_T0);
-      scales<KIND>(rec[i], g, mask, ws[i], mn[i]);
-    }
+    __m512 ws, mn;
+    _mm_prefetch(reinterpret_cast<const char*>(rec + F::values(g) + PREFETCH), _MM_HINT_T0);
+    scales<KIND>(rec, g, mask, ws, mn);
     for (int j = 0; j < MB; ++j) {
       const __m512 xs = _mm512_loadu_ps(x.xs + ((m0 + j) * G + gi) * 16);
-      for (int i = 0; i < NB; ++i) f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_mul_ps(ws[i], xs), f[i][j]);
-      if constexpr (F::MIN) {
-        const __m512 qs = _mm512_loadu_ps(x.qs + ((m0 + j) * G + gi) * 16);
-        for (int i = 0; i < NB; ++i) f[i][j] = _mm512_fnmadd_ps(mn[i], qs, f[i][j]);
-      }
+      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j]), _mm512_mul_ps(ws, xs), f[j]);
+      if constexpr (F::MIN) f[j] = _mm512_fnmadd_ps(mn, _mm512_loadu_ps(x.qs + ((m0 + j) * G + gi) * 16), f[j]);
     }
   }
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j)
-      y.store((m0 + j) * N + n0 + i, _mm512_reduce_add_ps(f[i][j]) + (B ? B[n0 + i] : 0.0f));
+  for (int j = 0; j < MB; ++j) y.store((m0 + j) * N + n, _mm512_reduce_add_ps(f[j]) + (B ? B[n] : 0.0f));
 }
 
-// Several weights of one format and one K against the same x (a layer's q, k and v, or its gate
-// and up): x is quantized once and every output row of every weight is one item of a single
-// parallel loop, so the calls' fixed costs (a parallel region, x's quantization, a stream's
-// start) are paid once. Each output is computed exactly as a call of its own would.
 template <int KIND>
 std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t K,
                                const std::vector<c10::optional<torch::Tensor>>& biases) {
@@ -322,18 +297,17 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
   float* qs = scratch(qsbuf, M * G * 16);
   quantize<KIND>(x, q, xs, init, qs, G);
   const Rows rows{q, xs, init, qs, K, G};
-  auto block = [&](auto mb, auto nbt, int64_t m0, int64_t n) {
+  auto block = [&](auto mb, int64_t m0, int64_t n) {
     int i = 0;
     while (n >= first[i + 1]) ++i;
-    tile<KIND, decltype(mb)::value, decltype(nbt)::value>(rows, W[i], row_bytes, B[i], ys[i], first[i + 1] - first[i], m0,
-                                                          n - first[i]);
+    tile<KIND, decltype(mb)::value>(rows, W[i], row_bytes, B[i], ys[i], first[i + 1] - first[i], m0, n - first[i]);
   };
   // One weight row at a time, a purely sequential stream, over blocks of 8 rows of x and one of the
   // rest. Tiles of 2 or 4 interleaved weight rows would share each x vector over more weights, but
   // read memory 2-3x slower (the 1.5B's Q4_K gate projection, one row of x, one thread, AMD EPYC:
   // 9 GB/s with 4-row tiles against 26 with one row; 2-row tiles measured again: 1.4-1.9x slower
   // for 1 to 3 rows of x, 0.9x at 8).
-  over_tiles<1>(first[count], [&](auto nbt, int64_t n) { over_rows_whole<8>(M, [&](auto mb, int64_t m0) { block(mb, nbt, m0, n); }); });
+  over_tiles<1>(first[count], [&](auto, int64_t n) { over_rows_whole<8>(M, [&](auto mb, int64_t m0) { block(mb, m0, n); }); });
   return outs;
 }
 
