@@ -3,10 +3,12 @@ the kernels must build: a silent fallback would make a fast machine slow without
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from quickdraft.models.kernels import ISA, _cpu_has, bf16_linear, int8_linear
+from quickdraft.models.kernels import HEADERS, HERE, ISA, SOURCES, _cpu_has, _module, bf16_linear, int8_linear
 from quickdraft.models.quant import Int8Weight, int8_matmul
 
 HAS_ISA = _cpu_has(*ISA)  # the instructions the kernels are built for
@@ -16,6 +18,19 @@ def test_kernels_build_where_the_cpu_can_run_them():
     if not HAS_ISA:
         pytest.skip("this CPU lacks AVX512-BF16 / VNNI: torch's linear is used")
     assert bf16_linear() is not None and int8_linear() is not None
+
+
+def test_the_build_reads_its_own_copy_of_the_sources():
+    """Two checkouts of one version share a build directory; compiled from the checkout's own
+    paths, each would rebuild over the other at every first use."""
+    if not HAS_ISA:
+        pytest.skip("this CPU lacks AVX512-BF16 / VNNI: no build")
+    module = bf16_linear() and _module()
+    build = Path(module.__file__).parent
+    ninja = (build / "build.ninja").read_text()
+    assert str(build / "src" / "blocks.cpp") in ninja and str(HERE / "blocks.cpp") not in ninja
+    for name in SOURCES + HEADERS:
+        assert (build / "src" / name).read_bytes() == (HERE / name).read_bytes()
 
 
 @pytest.mark.skipif(not HAS_ISA, reason="no AVX512-BF16")

@@ -164,12 +164,21 @@ def _module():
         return None
     from torch.utils import cpp_extension
 
-    # one build directory per source version: two checkouts (or an upgrade) never rebuild over each other
+    # One build directory per source version, compiled from its own copy of the sources: ninja
+    # keys its build on the sources' paths, so two checkouts of the same version in different
+    # folders would otherwise rebuild over each other at every first use (a minute of both cores).
     build = cache_dir() / "extensions" / f"torch-{torch.__version__}-{source_hash()}"
-    build.mkdir(parents=True, exist_ok=True)
+    src = build / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for name in SOURCES + HEADERS:
+        copy = src / name
+        if not copy.exists() or copy.read_bytes() != (HERE / name).read_bytes():
+            tmp = copy.with_suffix(copy.suffix + f".{os.getpid()}.tmp")
+            tmp.write_bytes((HERE / name).read_bytes())
+            os.replace(tmp, copy)  # atomic: a concurrent build reads the old bytes or the new, never half
     try:
         module = cpp_extension.load(
-            name="quickdraft_linear", sources=[str(HERE / name) for name in SOURCES], build_directory=str(build),
+            name="quickdraft_linear", sources=[str(src / name) for name in SOURCES], build_directory=str(build),
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
