@@ -83,3 +83,65 @@ def _reference_greedy(x: list[int], target_logits: Tensor) -> tuple[list[int], i
         if x[i - 1] != t:
             return list(x[: i - 1]) + [t], i - 1
     return list(x) + [int(target_logits[gamma].argmax())], gamma
+
+
+def reference_verify_tree(
+    tokens: list[int],  # [n] node i's token
+    parents: list[int],  # [n] node i's parent (< i) or -1, the root
+    target_logits: Tensor,  # [n + 1, V]: row 0 after the root, row i + 1 after node i
+    draft_probs: Tensor | None,  # [n, V] the q node i was drawn from; None = point masses
+    params: SamplingParams,
+    uniforms: Tensor,  # [n + 1] float64: node i's coin at i, the final draw's at n
+    replacement: bool = False,  # siblings drawn i.i.d. (True) or without replacement (False)
+) -> tuple[list[int], list[int]]:
+    """Slow recursive rejection sampling over a token tree (verify/tree.py), in plain Python
+    floats: returns (the accepted path's tokens + the final token, the path's nodes)."""
+    n = len(tokens)
+    if params.greedy:
+        node, path = -1, []
+        while True:
+            t = int(target_logits[node + 1].argmax())
+            match = [c for c in range(n) if parents[c] == node and tokens[c] == t]
+            if not match:
+                return [tokens[c] for c in path] + [t], path
+            node = match[0]
+            path.append(node)
+    rows = n + 1
+    p = logits_to_probs(
+        target_logits,
+        torch.full((rows,), float(params.temperature), dtype=torch.float32),
+        torch.full((rows,), int(params.top_k), dtype=torch.int64),
+        torch.full((rows,), float(params.top_p), dtype=torch.float32),
+        torch.full((rows,), float(params.min_p), dtype=torch.float32),
+    ).double().tolist()
+    vocab = len(p[0])
+
+    def q_of(c: int) -> list[float]:
+        if draft_probs is None:
+            return [1.0 if v == tokens[c] else 0.0 for v in range(vocab)]
+        return draft_probs[c].double().tolist()
+
+    def normalized(v: list[float], fallback: list[float]) -> list[float]:
+        total = sum(v)
+        return fallback if total <= 0.0 else [a / total for a in v]
+
+    node, path = -1, []
+    while True:
+        r = p[node + 1]
+        q = None
+        accepted = None
+        for c in [c for c in range(n) if parents[c] == node]:
+            x = tokens[c]
+            if q is None or replacement or draft_probs is None:
+                q = q_of(c)
+            if float(uniforms[c]) < r[x] / q[x]:
+                accepted = c
+                break
+            r = normalized([max(0.0, a - b) for a, b in zip(r, q)], r)
+            if draft_probs is not None and not replacement:
+                q = normalized([0.0 if v == x else a for v, a in enumerate(q)], q)
+        if accepted is None:
+            t = int(sample_from_probs(torch.tensor([r], dtype=torch.float64), uniforms[n : n + 1])[0])
+            return [tokens[c] for c in path] + [t], path
+        path.append(accepted)
+        node = accepted
