@@ -38,3 +38,16 @@ class KVCache:
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` positions: two [num_kv_heads, length, head_dim] views."""
         return self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length]
+
+    def keep_path(self, slot: int, start: int, nodes: list[int]) -> None:
+        """After a token-tree pass wrote node i's keys and values at position start + i of
+        ``slot``: move the accepted path's nodes (increasing, verify/tree.py's ``path``) to
+        positions start, start + 1, ..., in every layer. One gather a layer, no recomputation;
+        the other nodes' entries are left as garbage past the sequence's length, like rejected
+        chain drafts."""
+        if not nodes or nodes == list(range(len(nodes))):
+            return  # already in place (a chain, or an accepted prefix of first children)
+        src = torch.tensor(nodes, dtype=torch.long, device=self.keys[0].device) + start
+        for cache in (*self.keys, *self.values):
+            cache[slot, :, start : start + len(nodes)] = cache[slot, :, src]  # the gather copies first
+

@@ -210,3 +210,21 @@ def test_wrong_tree_rules_are_detected(monkeypatch, name):
     monkeypatch.setattr(tree_module, helper, wrong)
     p_first, p_joint = pvalues(first_two(params, mode, seed=6, n=N), params)
     assert min(p_first, p_joint) < ALPHA, (name, p_first, p_joint)
+
+
+def test_the_kv_cache_keeps_the_accepted_path_in_place():
+    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.tiny import tiny_config
+
+    config = tiny_config()
+    kv = KVCache(config, num_slots=2, max_len=32, dtype=torch.float32)
+    for layer in range(config.num_layers):
+        kv.keys[layer].normal_()
+        kv.values[layer].normal_()
+    before = [t.clone() for t in (*kv.keys, *kv.values)]
+    start, path = 5, [1, 3, 4]  # a tree of 6 nodes at positions 5..10; nodes 1, 3, 4 accepted
+    kv.keep_path(1, start, path)
+    for old, new in zip(before, (*kv.keys, *kv.values)):
+        assert torch.equal(new[1, :, :start], old[1, :, :start])  # the context is untouched
+        assert torch.equal(new[1, :, start : start + 3], old[1, :, [start + i for i in path]])
+        assert torch.equal(new[0], old[0])  # other slots too
