@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, fused_layer, invariance, rowwise
+from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, fused_layer, invariance, rowwise, tree_attention
 from quickdraft.models.ggml import BlockWeight, on_blocks
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
@@ -271,8 +271,10 @@ class Decoder:
 
         Softmax and probs @ values reduce over the keys, and a float32 reduction's rounding
         depends on its length. A chain's token j therefore attends over exactly its own
-        ctx + j + 1 keys, as it would when decoded alone; only long prefills (which plain and
-        speculative decoding share) and token trees take one masked matmul for all rows."""
+        ctx + j + 1 keys, as it would when decoded alone, and a token tree's row over its context
+        and its own path (kernels/attention.cpp's attend_tree: the bits of the chain with that
+        history); only long prefills (which plain and speculative decoding share), and trees
+        where the kernels do not run, take one masked matmul for all rows."""
         out = []
         start = 0
         kernel = chain_attention() if q.device.type == "cpu" and self.config.head_dim in CHAIN_HEAD_DIMS else None
@@ -281,7 +283,10 @@ class Decoder:
             kv.write(layer, slot, ctx, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             keys, values = kv.read(layer, slot, ctx + qlen)  # [kv_heads, L, d]
             tree = meta.masks is not None and meta.masks[i] is not None
-            if tree or qlen > MAX_ROW_BY_ROW:
+            if tree and kernel is not None:  # each row over its own path, as a chain (kernels/attention.cpp)
+                start_idx, path = self._paths(meta.masks[i])
+                out.append(tree_attention()(q[start:end].float(), keys, values, ctx, start_idx, path, self.scale))
+            elif tree or qlen > MAX_ROW_BY_ROW:
                 out.append(self._attend(q[start:end], keys.float(), values.float(), self._mask(meta, i, ctx, qlen, q.device)))
             elif kernel is not None:  # the same, one call (kernels/attention.cpp)
                 out.append(kernel(q[start:end].float(), keys, values, ctx, self.scale))
@@ -308,6 +313,14 @@ class Decoder:
         o = _bmm_rows(torch.softmax(scores, dim=-1), values)  # [kv_heads, group * m, d]
         o = o.view(c.num_kv_heads, group, m, c.head_dim).permute(2, 0, 1, 3)
         return o.reshape(m, c.num_heads * c.head_dim)
+
+    @staticmethod
+    def _paths(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A token tree's mask [qlen, qlen] -> (start [qlen + 1], path): row j's visible new tokens
+        (its ancestors and itself, in order) are path[start[j]:start[j + 1]]."""
+        rows, cols = mask.cpu().nonzero(as_tuple=True)  # row-major: each row's columns ascending
+        counts = torch.bincount(rows, minlength=mask.shape[0])
+        return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]), cols.long()
 
     @staticmethod
     def _mask(meta: AttentionMetadata, i: int, ctx: int, qlen: int, device) -> torch.Tensor:

@@ -93,6 +93,14 @@ def chain_attention():
     return None if module is None else module.attend_chain
 
 
+def tree_attention():
+    """The compiled ``attend_tree(q [m, H, d] f32, keys, values [Hkv, L, d], ctx, start [m + 1],
+    path, scale) -> [m, H * d]`` (row j over the context and its own path of new tokens, with the
+    bits of the chain row of the same history; see attention.cpp), or None."""
+    module = _module()
+    return None if module is None else module.attend_tree
+
+
 def rowwise():
     """The compiled ``rms_norm(x, weight, eps)`` and ``rotary(x, cos, sin, positions)`` (see
     rowwise.cpp), as the module that holds them, or None."""

@@ -19,14 +19,18 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// out[d] = sum_i softmax(scale * q . k_i)_i * v_i over keys 0..len-1; d a multiple of 16
-template <typename T>
+// out[d] = sum_i softmax(scale * q . k_i)_i * v_i over keys key(0)..key(len - 1), in that order;
+// d a multiple of 16. Which keys a row reads (a chain's first ctx + j + 1, a tree node's context
+// and ancestors) changes only the addresses: the arithmetic is one sequence over the keys in order,
+// so a tree node's row has the bits of the chain row that has its path as history.
+template <typename T, typename Key>
 void attend_one(const float* q, const T* K, const T* V, int64_t ks, int64_t len, int64_t d, float scale,
-                float* scores, float* out) {
+                float* scores, float* out, Key key) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < len; ++i) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load16(K + i * ks + c), acc);
+    const T* k = K + key(i) * ks;
+    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load16(k + c), acc);
     const float s = _mm512_reduce_add_ps(acc) * scale;
     scores[i] = s;
     mx = std::max(mx, s);
@@ -45,7 +49,8 @@ void attend_one(const float* q, const T* K, const T* V, int64_t ks, int64_t len,
   for (int64_t c = 0; c < d; c += 16) o[c / 16] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     const __m512 p = _mm512_set1_ps(scores[t]);
-    for (int64_t c = 0; c < d; c += 16) o[c / 16] = _mm512_fmadd_ps(p, load16(V + t * ks + c), o[c / 16]);
+    const T* v = V + key(t) * ks;
+    for (int64_t c = 0; c < d; c += 16) o[c / 16] = _mm512_fmadd_ps(p, load16(v + c), o[c / 16]);
   }
   for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(o[c / 16], _mm512_set1_ps(inv)));
 }
@@ -62,7 +67,27 @@ void chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float
       for (int64_t h = 0; h < H; ++h) {
         const int64_t kvh = h / group;
         attend_one(Q + (j * H + h) * d, K + kvh * hs, V + kvh * hs, ks, ctx + j + 1, d, scale, scores.data(),
-                   O + (j * H + h) * d);
+                   O + (j * H + h) * d, [](int64_t i) { return i; });
+      }
+  }
+}
+
+// row j attends over keys 0..ctx-1, then ctx + path[start[j]] .. ctx + path[start[j + 1] - 1]
+// (its new tokens' ancestors and itself, root first)
+template <typename T>
+void tree(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
+          int64_t d, int64_t ctx, const int64_t* start, const int64_t* path, float scale) {
+  const int64_t group = H / Hkv;
+#pragma omp parallel
+  {
+    std::vector<float> scores(ctx + m + 16);
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t j = 0; j < m; ++j)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t kvh = h / group;
+        const int64_t* mine = path + start[j];
+        attend_one(Q + (j * H + h) * d, K + kvh * hs, V + kvh * hs, ks, ctx + start[j + 1] - start[j], d, scale,
+                   scores.data(), O + (j * H + h) * d, [=](int64_t i) { return i < ctx ? i : ctx + mine[i - ctx]; });
       }
   }
 }
@@ -88,6 +113,43 @@ torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor va
     TORCH_CHECK(keys.scalar_type() == torch::kBFloat16, "keys float32 or bfloat16");
     chain(qc.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), hs, ks, out.data_ptr<float>(), m, H,
           Hkv, d, ctx, static_cast<float>(scale));
+  }
+  return out;
+}
+
+// q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d]; the new tokens form a tree whose row j
+// attends over keys 0..ctx-1 and then ctx + path[start[j]..start[j + 1]) (start [m + 1], path: each
+// row's ancestors among the new tokens and itself, in order) -> [m, H * d] float32, each row with
+// the bits attend_chain gives the same history laid out as a chain
+torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
+                          torch::Tensor path, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q [m, heads, d] float32");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys, values [kv_heads, L, d] alike");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
+  const int64_t m = q.size(0), H = q.size(1), d = q.size(2), Hkv = keys.size(0);
+  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && keys.size(2) == d && keys.stride(2) == 1, "head_dim a multiple of 16, at most 256, contiguous");
+  TORCH_CHECK(H % Hkv == 0 && keys.size(1) >= ctx + m, "heads a multiple of kv heads; the cache holds ctx + m keys");
+  TORCH_CHECK(start.scalar_type() == torch::kInt64 && start.dim() == 1 && start.size(0) == m + 1, "start [m + 1] int64");
+  TORCH_CHECK(path.scalar_type() == torch::kInt64 && path.dim() == 1, "path int64");
+  auto st = start.contiguous(), pt = path.contiguous();
+  const int64_t* s = st.data_ptr<int64_t>();
+  const int64_t* a = pt.data_ptr<int64_t>();
+  TORCH_CHECK(s[0] == 0 && s[m] == path.size(0), "start runs from 0 to path's length");
+  for (int64_t j = 0; j < m; ++j) {
+    TORCH_CHECK(s[j + 1] > s[j] && s[j + 1] - s[j] <= m, "row ", j, " attends to 1 to m new tokens");
+    for (int64_t i = s[j]; i < s[j + 1]; ++i) TORCH_CHECK(a[i] >= 0 && a[i] <= j, "row ", j, "'s path holds earlier rows only");
+    TORCH_CHECK(a[s[j + 1] - 1] == j, "row ", j, "'s path ends at itself");
+  }
+  auto qc = q.contiguous();
+  auto out = torch::empty({m, H * d}, q.options());
+  const int64_t hs = keys.stride(0), ks = keys.stride(1);
+  if (keys.scalar_type() == torch::kFloat32) {
+    tree(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), hs, ks, out.data_ptr<float>(), m, H, Hkv, d, ctx,
+         s, a, static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(keys.scalar_type() == torch::kBFloat16, "keys float32 or bfloat16");
+    tree(qc.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), hs, ks, out.data_ptr<float>(), m, H,
+         Hkv, d, ctx, s, a, static_cast<float>(scale));
   }
   return out;
 }

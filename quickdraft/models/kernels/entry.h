@@ -19,6 +19,8 @@ std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch
 
 // attention.cpp
 torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);
+torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
+                          torch::Tensor path, double scale);
 
 // rowwise.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

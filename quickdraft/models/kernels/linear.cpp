@@ -200,6 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_blocks", &linear_blocks, "x @ w.T + b: w in a GGUF block format as repacked by models/ggml.py, x quantized per block");
   m.def("linear_blocks_many", &linear_blocks_many, "linear_blocks for several weights of one format against one x, in one pass");
   m.def("attend_chain", &attend_chain, "row j of q attends over keys 0..ctx+j, batch invariant");
+  m.def("attend_tree", &attend_tree, "row j of q attends over the context and its own path of new tokens, as a chain would");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's");
   m.def("rotary", &rotary, "rotate-half rotary embedding of each row");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
