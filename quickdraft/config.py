@@ -26,6 +26,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # K: draft tokens proposed per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched
     prompt_lookup_min: int = 2  # ngram: shortest n-gram matched (1 proposes on any repeated token)
+    # ngram: up to this many distinct continuations of earlier matches, merged into a token tree
+    # of at most num_speculative_tokens nodes and verified in one pass (verify/tree.py); 1: a chain
+    num_branches: int = 1
     # draft_model: stop drafting for a sequence once the draft's own probability of its token
     # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
     # output is unchanged, it only saves draft passes whose tokens would likely be rejected. 0: off.
@@ -73,6 +76,12 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}", "prompt_lookup_min"
             )
+        nb = self.num_branches
+        if isinstance(nb, bool) or not isinstance(nb, int) or not 1 <= nb <= 8:
+            raise ConfigError(f"num_branches must be an integer in 1..8, got {nb!r}", "num_branches")
+        if nb > 1 and self.method != "ngram":
+            raise ConfigError(f'num_branches > 1 (token trees) is for method "ngram" so far, not {self.method!r}',
+                              "num_branches")
         t = self.draft_confidence_threshold
         if not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
             raise ConfigError(f"draft_confidence_threshold must be in [0, 1), got {t!r}", "draft_confidence_threshold")

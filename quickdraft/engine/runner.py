@@ -23,6 +23,7 @@ from quickdraft.proposers.base import DraftProposal, Proposer
 from quickdraft.sampling import BatchSampling, draw_uniforms
 from quickdraft.verify.penalties import shape_rows, shapes_logits
 from quickdraft.verify.rejection import VerifyOutput, verify
+from quickdraft.verify.tree import DraftTree, verify_tree
 
 
 PROMPT_LOGPROB_ROWS = 64  # prompt rows whose logits are held at once (prompt_logprobs)
@@ -36,6 +37,26 @@ def _token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> lis
     best = rows.topk(top, dim=-1) if top else None
     return [TokenLogprob(t, lp, list(zip(best.indices[j].tolist(), best.values[j].tolist())) if best is not None else [])
             for j, (t, lp) in enumerate(zip(token_ids, chosen))]
+
+
+def _tree_mask(num_pending: int, parents: list[int]) -> torch.Tensor:
+    """[p + n, p + n] bool: the p pending tokens a causal chain, then node i over the pending
+    tokens, its ancestors and itself."""
+    p, n = num_pending, len(parents)
+    mask = torch.zeros(p + n, p + n, dtype=torch.bool)
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    for i, parent in enumerate(parents):
+        mask[p + i] = mask[p - 1] if parent < 0 else mask[p + parent]
+        mask[p + i, p + i] = True
+    return mask
+
+
+def _tree_positions(num_cached: int, num_pending: int, parents: list[int]) -> list[int]:
+    """Positions of the pending tokens, then of each node (its parent's + 1)."""
+    pos = list(range(num_cached, num_cached + num_pending))
+    for parent in parents:
+        pos.append((pos[num_pending - 1] if parent < 0 else pos[num_pending + parent]) + 1)
+    return pos
 
 
 @dataclass
@@ -63,12 +84,15 @@ class Runner:
             keys = sum(key_reads(s.num_cached, 1 + k) for s, k in zip(seqs, proposal.num_tokens))
         logits = self._score(seqs, proposal)  # [num_draft_tokens + batch, V]
         ok = self._finite_rows(logits, proposal.num_tokens)  # [batch] bool
-        outcome = verify(
-            proposal.token_ids.to(logits.device), proposal.num_tokens, self._shaped(seqs, proposal, logits),
-            None if proposal.probs is None else proposal.probs.to(logits.device),
-            BatchSampling.from_params([s.params for s in seqs], logits.device),
-            self._uniforms(seqs, proposal.num_tokens).to(logits.device),
-        )
+        uniforms = self._uniforms(seqs, proposal.num_tokens).to(logits.device)
+        if proposal.parents is not None:
+            outcome = self._verify_trees(seqs, proposal, logits, uniforms)
+        else:
+            outcome = verify(
+                proposal.token_ids.to(logits.device), proposal.num_tokens, self._shaped(seqs, proposal, logits),
+                None if proposal.probs is None else proposal.probs.to(logits.device),
+                BatchSampling.from_params([s.params for s in seqs], logits.device), uniforms,
+            )
         self.proposer.observe(seqs, outcome)
         results = self._commit(seqs, proposal, outcome, ok)
         self._logprobs(results, proposal.num_tokens, logits)
@@ -92,7 +116,15 @@ class Runner:
         meta = AttentionMetadata.chain([s.slot for s in seqs], [s.num_cached for s in seqs], [len(c) for c in chunks])
         device = self.target.device
         tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
-        hidden = self.target.forward(tokens, meta.positions(device), self.kv, meta)  # [num_tokens, hidden]
+        if proposal.parents is None:
+            positions = meta.positions(device)
+        else:  # token trees: a mask and a depth for each sequence's drafts
+            meta.masks = [None if proposal.tree(i) is None else _tree_mask(s.num_pending, proposal.tree(i))
+                          for i, s in enumerate(seqs)]
+            positions = torch.tensor([p for i, s in enumerate(seqs) for p in _tree_positions(
+                s.num_cached, s.num_pending, proposal.tree(i) or list(range(-1, proposal.num_tokens[i] - 1)))],
+                dtype=torch.long, device=device)
+        hidden = self.target.forward(tokens, positions, self.kv, meta)  # [num_tokens, hidden]
         self._prompt_logprobs(seqs, chunks, hidden)
         ends = torch.tensor(meta.query_lens).cumsum(0)
         rows = torch.cat([torch.arange(e - k - 1, e) for e, k in zip(ends.tolist(), proposal.num_tokens)])
@@ -141,6 +173,25 @@ class Runner:
                            drafts[at : at + k], eos)
             start, at = start + k + 1, at + k
         return shaped
+
+    def _verify_trees(self, seqs: list[Sequence], proposal: DraftProposal, logits: torch.Tensor,
+                      uniforms: torch.Tensor) -> VerifyOutput:
+        """Each sequence's drafts as a tree (a chain is the tree of one branch; verify/tree.py
+        gives it the chain verifier's draws), then the accepted path's keys and values moved into
+        place. The proposer makes trees only for requests without logit shaping or logprobs."""
+        logits = self._shaped(seqs, proposal, logits)  # the chains' rows, where a request shapes them
+        token_ids, accepted, row, at = [], [], 0, 0
+        for i, (s, k) in enumerate(zip(seqs, proposal.num_tokens)):
+            parents = proposal.tree(i) or list(range(-1, k - 1))
+            tree = DraftTree(proposal.token_ids[at : at + k], parents,
+                             None if proposal.probs is None else proposal.probs[at : at + k])
+            out = verify_tree(tree, logits[row : row + k + 1], s.params, uniforms[row : row + k + 1])
+            if proposal.tree(i) is not None:
+                self.kv.keep_path(s.slot, s.num_cached + s.num_pending, out.path)
+            token_ids.append(out.token_ids)
+            accepted.append(out.num_accepted)
+            row, at = row + k + 1, at + k
+        return VerifyOutput(token_ids, accepted)
 
     @staticmethod
     def _finite_rows(logits: torch.Tensor, num_tokens: list[int]) -> list[bool]:

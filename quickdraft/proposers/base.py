@@ -28,6 +28,13 @@ class DraftProposal:
     token_ids: torch.Tensor  # [num_draft_tokens] int64, sequences' drafts concatenated
     num_tokens: list[int]  # [batch] draft tokens of each sequence (0 allowed)
     probs: torch.Tensor | None  # [num_draft_tokens, vocab] the draft's q; None = point-mass drafts
+    # [batch] each sequence's draft tokens as a token tree: node i's parent (< i, or -1 for the
+    # last committed token); None (for the batch or a sequence): a chain
+    parents: list[list[int] | None] | None = None
+
+    def tree(self, i: int) -> list[int] | None:
+        """Sequence i's parents when its drafts form a tree, else None."""
+        return None if self.parents is None else self.parents[i]
 
     @classmethod
     def empty(cls, batch: int, device="cpu") -> "DraftProposal":

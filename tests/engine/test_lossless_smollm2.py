@@ -40,13 +40,21 @@ def plain(target):
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False},
     {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "adaptive": False},
+    # token trees: up to 3 continuations merged into 6 nodes a step, scored in one pass
+    {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "num_branches": 3,
+     "adaptive": False},
 ])
 def test_ngram_equals_plain(target, plain, spec):
     dtype, model = target
     llm = LLM(model, speculative_config=spec, dtype=dtype)
+    trees = []
+    propose = llm.engine.runner.proposer.propose
+    llm.engine.runner.proposer.propose = lambda seqs, k: trees.append(p := propose(seqs, k)) or p
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert llm.engine.stats.num_accepted_tokens > 0  # the repeated-capital prompt gets accepted drafts
+    if spec.get("num_branches", 1) > 1:  # branching trees were drafted, not only chains
+        assert any(t is not None and len(set(t)) < len(t) for p in trees for t in (p.parents or []))
 
 
 def test_self_draft_accepts_everything(target, plain):
