@@ -55,3 +55,6 @@ class NgramProposer:
 
     def release(self, seq) -> None:
         pass
+
+    def close(self) -> None:
+        pass
