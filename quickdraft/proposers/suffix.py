@@ -9,8 +9,8 @@ Two suffix tries (proposers/suffix_tree.py) are read at every step:
   (``release``). It is shared by every request of the engine (and so of the server), bounded by
   ``suffix_decoding_max_cached_requests`` and ``suffix_decoding_max_cached_tokens`` (the oldest
   outputs leave first), and, with ``suffix_decoding_cache_path``, loaded at start and saved
-  atomically at shutdown and every ``SAVE_INTERVAL_S`` seconds, so a restarted server keeps what
-  it learned.
+  atomically at shutdown (``close``) and, while requests finish, at most every
+  ``SAVE_INTERVAL_S`` seconds, so a restarted server keeps what it learned.
 
 Each trie matches the longest suffix of the sequence (at most depth - K tokens, so that a
 continuation of K tokens fits in a window) and follows the most frequent continuation while the

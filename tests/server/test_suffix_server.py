@@ -25,7 +25,12 @@ def _spec(usage) -> dict:
 
 def _serve(cache_path=None) -> ServerProcess:
     spec = dict(SPEC, suffix_decoding_cache_path=str(cache_path)) if cache_path else SPEC
-    return ServerProcess("--max-num-seqs", "2", "--speculative-config", json.dumps(spec), log_name="suffix").wait_ready()
+    server = ServerProcess("--max-num-seqs", "2", "--speculative-config", json.dumps(spec), log_name="suffix")
+    try:
+        return server.wait_ready()
+    except BaseException:  # never leave a server running behind a failed start
+        server.stop()
+        raise
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
