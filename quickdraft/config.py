@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from quickdraft.errors import ConfigError
 
-METHODS = ("none", "ngram", "draft_model")
+METHODS = ("none", "ngram", "draft_model", "suffix")
 # Measured (README, "Truncated draft vocabulary"): on code, the Qwen pair's acceptance is the full
 # head's at 65536 and 32768 and drops at 16384; 65536 also holds 98% of the tokens of English docs
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
@@ -49,6 +49,23 @@ class SpeculativeConfig:
     # draft_model: a file of token ids (a JSON list, or one id a line) to use as the draft's
     # vocabulary instead of the counted one; special and end-of-text tokens are always added.
     draft_vocab_file: str | None = None
+    # suffix (proposers/suffix.py; the first four are vLLM's keys, with its defaults): the suffix
+    # tries hold every window of this many tokens; a match is at most depth - K tokens long
+    suffix_decoding_max_tree_depth: int = 24
+    # suffix: a match of m tokens drafts at most max_spec_factor * m tokens (and at most K)
+    suffix_decoding_max_spec_factor: float = 1.0
+    # suffix: a draft stops where its path's empirical probability (the product, token by token,
+    # of how often that token followed the path before it) falls below this
+    suffix_decoding_min_token_prob: float = 0.1
+    # suffix: past requests' outputs kept in the global trie (the oldest leave first); 0: none
+    suffix_decoding_max_cached_requests: int = 10000
+    # suffix: and at most this many of their tokens. Memory: about 55 bytes a token and a level of
+    # depth at worst (text that never repeats): 130 MB at the defaults; repeated text shares nodes.
+    suffix_decoding_max_cached_tokens: int = 100_000
+    # suffix: a file the global cache is loaded from at start and saved to (atomically) at
+    # shutdown and every minute while requests finish, so that a restarted server keeps what it
+    # learned. None: kept in memory only.
+    suffix_decoding_cache_path: str | None = None
     # Choose each sequence's K every step, up to num_speculative_tokens, to maximize expected
     # tokens per second from a cost model the engine calibrates at start-up and refits as it runs
     # (engine/cost.py): a sequence whose drafts keep failing decodes plainly, and a batch large
@@ -98,9 +115,36 @@ class SpeculativeConfig:
         f = self.draft_vocab_file
         if f is not None and (not isinstance(f, str) or not f):
             raise ConfigError(f"draft_vocab_file must be a path to a file of token ids, got {f!r}", "draft_vocab_file")
+        self._check_suffix()
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {b!r}", "disable_by_batch_size")
+
+    def _check_suffix(self) -> None:
+        d = self.suffix_decoding_max_tree_depth
+        if isinstance(d, bool) or not isinstance(d, int) or not 2 <= d <= 1024:
+            raise ConfigError(f"suffix_decoding_max_tree_depth must be an integer in 2..1024, got {d!r}",
+                              "suffix_decoding_max_tree_depth")
+        if self.method == "suffix" and d <= self.num_speculative_tokens:
+            raise ConfigError(f"suffix_decoding_max_tree_depth ({d}) must exceed num_speculative_tokens "
+                              f"({self.num_speculative_tokens}): a draft of K tokens continues a match of at least "
+                              "one token inside one window of the trie", "suffix_decoding_max_tree_depth")
+        f = self.suffix_decoding_max_spec_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+            raise ConfigError(f"suffix_decoding_max_spec_factor must be a number > 0 (draft tokens per matched "
+                              f"token), got {f!r}", "suffix_decoding_max_spec_factor")
+        p = self.suffix_decoding_min_token_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ConfigError(f"suffix_decoding_min_token_prob must be a probability in [0, 1], got {p!r}",
+                              "suffix_decoding_min_token_prob")
+        for key in ("suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens"):
+            n = getattr(self, key)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ConfigError(f"{key} must be an integer >= 0 (0: no global cache), got {n!r}", key)
+        c = self.suffix_decoding_cache_path
+        if c is not None and (not isinstance(c, str) or not c):
+            raise ConfigError(f"suffix_decoding_cache_path must be a file path or null, got {c!r}",
+                              "suffix_decoding_cache_path")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig":

@@ -28,6 +28,16 @@ class LLM:
         self.engine = Engine(config, target=None if isinstance(model, str) else model)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Save what the proposer keeps across runs (``suffix_decoding_cache_path``); also on ``with``'s exit."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: "str | list[str] | list[list[int]]",
                  sampling_params: "SamplingParams | list[SamplingParams] | None" = None) -> list[RequestOutput]:
         """Prompts (text, or token ids) run together as one batch; outputs in prompt order."""

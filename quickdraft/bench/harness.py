@@ -1,7 +1,8 @@
 """The benchmark loop: every method x setting against ``none`` on one target, request by request.
 
 A *variant* is one method with one setting (``ngram K=4 n=1..4``); ``none`` is always one of
-them. A *request* is one generation: a raw prompt, or one turn of a conversation. A later turn is
+them. Each variant keeps one engine for the whole run, as a server would: ``suffix`` drafts from
+the answers it gave to the requests before (its global cache), the warm-up's included. A *request* is one generation: a raw prompt, or one turn of a conversation. A later turn is
 built from ``none``'s answer to the turn before, so every variant is timed on the same prompt.
 
 Order: the target (and the draft) are loaded once and shared by every variant's engine; each
@@ -251,6 +252,9 @@ class Harness:
         draft = next(iter(drafts.values()), None)  # the one the peers get
         engines = self._engines(target, drafts)
         lap("load_s")
+        if c.repeats > 1 and any(v.method == "suffix" for v in c.variants):
+            self.notes.append("suffix's repeats after the first draft from its own earlier answer to the same "
+                              "request (its global cache): a repeated request's figures, not a new one's")
         requests, runs, divergences, tv = self._measure(prompts, engines, lap)
         decoder = engines["none"].engine.decoder
         none_tps = stats.median([r["tokens_per_second"] for r in runs if r["variant"] == "none"])

@@ -19,7 +19,7 @@ def _obj(required: dict, optional: dict | None = None) -> dict:
     return {"type": "object", "required": sorted(required), "properties": {**required, **(optional or {})}}
 
 
-VARIANT = _obj({"name": STR, "method": {"enum": ["none", "ngram", "draft_model"]}, "k": INT,
+VARIANT = _obj({"name": STR, "method": {"enum": ["none", "ngram", "draft_model", "suffix"]}, "k": INT,
                 "lookup_max": {"type": ["integer", "null"]}, "lookup_min": {"type": ["integer", "null"]},
                 "draft": {"type": ["string", "null"]}, "adaptive": {"type": "boolean"}})
 

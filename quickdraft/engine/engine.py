@@ -183,6 +183,11 @@ class Engine:
             return True
         return False
 
+    def close(self) -> None:
+        """Let the proposer write what must outlive the process (suffix's cache); the engine is not
+        stepped again."""
+        self.proposer.close()
+
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         if seq.slot is not None:

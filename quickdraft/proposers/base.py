@@ -69,6 +69,9 @@ class Proposer(Protocol):
     def release(self, seq: "Sequence") -> None:
         """The sequence finished or was aborted: drop its state."""
 
+    def close(self) -> None:
+        """The engine is shutting down: write what must outlive the process (suffix's cache)."""
+
 
 REGISTRY: dict[str, type] = {}
 
@@ -84,7 +87,7 @@ def register(name: str):
 
 def create_proposer(spec: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
     # Importing the modules fills REGISTRY; they only define classes.
-    from quickdraft.proposers import draft_model, ngram, none  # noqa: F401
+    from quickdraft.proposers import draft_model, ngram, none, suffix  # noqa: F401
 
     if spec.method not in REGISTRY:
         raise ConfigError(f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(REGISTRY))}")

@@ -148,6 +148,9 @@ class DraftModelProposer:
     def release(self, seq) -> None:
         self._cached[seq.slot] = 0
 
+    def close(self) -> None:
+        pass
+
 
 def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Tensor):
     """logits [n, N] over the head's rows, the rows' sampling parameters [n] and uniforms [n]

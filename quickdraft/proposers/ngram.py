@@ -103,3 +103,6 @@ class NgramProposer:
 
     def release(self, seq) -> None:
         pass
+
+    def close(self) -> None:
+        pass

@@ -25,3 +25,6 @@ class NoProposer:
 
     def release(self, seq) -> None:
         pass
+
+    def close(self) -> None:
+        pass

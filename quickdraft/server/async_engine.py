@@ -143,6 +143,7 @@ class AsyncEngine:
             while cmd is not None:
                 if cmd is _STOP:
                     self._abort_all("abort", None)
+                    self._close()
                     return
                 self._apply(cmd)
                 try:
@@ -152,6 +153,12 @@ class AsyncEngine:
             if engine.has_unfinished():
                 self._step()
             self._publish()
+
+    def _close(self) -> None:
+        try:
+            self.engine.close()  # on the engine thread, like every other touch of the engine
+        except Exception:  # a full disk must not turn a clean shutdown into a crash
+            log.error("closing the engine failed:\n%s", traceback.format_exc())
 
     def _apply(self, cmd) -> None:
         if isinstance(cmd, _Add):

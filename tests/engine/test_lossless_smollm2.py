@@ -1,5 +1,5 @@
 """End to end on real weights (SmolLM2-135M-Instruct): speculative greedy output equals plain greedy
-output token for token, for n-gram lookup and for a draft model, in float32 and in bfloat16, on
+output token for token, for n-gram lookup, suffix decoding and a draft model, in float32 and in bfloat16, on
 dequantized weights and on the GGUF file's blocks as stored.
 
 bfloat16 is exact too, not only float32: every op of the decoder is batch invariant (see
@@ -57,6 +57,24 @@ def test_ngram_equals_plain(target, plain, spec):
         assert any(t is not None and len(set(t)) < len(t) for p in trees for t in (p.parents or []))
 
 
+@pytest.mark.parametrize("spec", [
+    {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
+    {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 0.0,
+     "suffix_decoding_max_spec_factor": 2.0, "adaptive": False},
+])
+def test_suffix_equals_plain(target, plain, spec):
+    """Twice on one engine: the second run drafts from the first run's outputs (the global cache)
+    as well as from its own text, and accepts more."""
+    dtype, model = target
+    llm = LLM(model, speculative_config=spec, dtype=dtype)
+    accepted = []
+    for _ in range(2):
+        outs = llm.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in outs] == plain
+        accepted.append(sum(o.spec.num_accepted_tokens for o in outs))
+    assert 0 < accepted[0] < accepted[1]
+
+
 def test_self_draft_accepts_everything(target, plain):
     """The model as its own draft: every draft token accepted, output unchanged."""
     dtype, model = target
@@ -90,6 +108,7 @@ def test_batched_equals_alone(target, plain):
 
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    {"method": "suffix", "num_speculative_tokens": 8},
     {"method": "draft_model", "model": "smollm2-135m-instruct", "num_speculative_tokens": 4},
 ])
 def test_adaptive_plan_changes_only_the_speed(target, plain, spec):

@@ -150,8 +150,26 @@ def test_ngram_greedy_equals_plain(plain):
     assert stats.num_draft_tokens > 0
 
 
+def test_suffix_greedy_equals_plain(plain):
+    """Its own text first (tiny random models repeat themselves), then, run again on one engine,
+    the first run's outputs from the global cache: the second run drafts more and keeps more."""
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0}
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=2,  # 3 prompts through 2 slots
+                          speculative=SpeculativeConfig.parse({"adaptive": False, **spec}))
+    engine = Engine(config, target=TARGET)
+    first = engine.generate_ids(PROMPTS, params)
+    assert [o.token_ids for o in first] == plain
+    second = engine.generate_ids(PROMPTS, params)
+    assert [o.token_ids for o in second] == plain
+    accepted = [sum(o.spec.num_accepted_tokens for o in outs) for outs in (first, second)]
+    assert accepted[1] > accepted[0] and accepted[1] > 0.5 * sum(len(o.token_ids) for o in second)
+    assert engine.proposer.cache.num_tokens == 2 * 3 * 24
+
+
 @pytest.mark.parametrize("spec", [None, {"method": "draft_model", "model": DRAFTS["between"], "num_speculative_tokens": 3},
-                                  {"method": "ngram", "num_speculative_tokens": 3}])
+                                  {"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "suffix", "num_speculative_tokens": 3}])
 def test_seeded_sampling_is_reproducible(spec):
     params = [SamplingParams(max_tokens=20, temperature=4.0, top_p=0.95, seed=s) for s in (1, 2, 1)]
     a = [o.token_ids for o in run(spec, PROMPTS[:1] * 3, params)[0]]
