@@ -26,8 +26,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # K: draft tokens proposed per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched
     prompt_lookup_min: int = 2  # ngram: shortest n-gram matched (1 proposes on any repeated token)
-    # ngram: up to this many distinct continuations of earlier matches, merged into a token tree
-    # of at most num_speculative_tokens nodes and verified in one pass (verify/tree.py); 1: a chain
+    # ngram, suffix: token trees of at most num_speculative_tokens nodes, verified in one pass
+    # (verify/tree.py). ngram merges up to this many distinct continuations of earlier matches;
+    # suffix gives each node up to this many children, best-first by path probability. 1: chains
     num_branches: int = 1
     # draft_model: stop drafting for a sequence once the draft's own probability of its token
     # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
@@ -96,9 +97,9 @@ class SpeculativeConfig:
         nb = self.num_branches
         if isinstance(nb, bool) or not isinstance(nb, int) or not 1 <= nb <= 8:
             raise ConfigError(f"num_branches must be an integer in 1..8, got {nb!r}", "num_branches")
-        if nb > 1 and self.method != "ngram":
-            raise ConfigError(f'num_branches > 1 (token trees) is for method "ngram" so far, not {self.method!r}',
-                              "num_branches")
+        if nb > 1 and self.method not in ("ngram", "suffix"):
+            raise ConfigError(f'num_branches > 1 (token trees) is for methods "ngram" and "suffix" so far, not '
+                              f"{self.method!r}", "num_branches")
         t = self.draft_confidence_threshold
         if not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
             raise ConfigError(f"draft_confidence_threshold must be in [0, 1), got {t!r}", "draft_confidence_threshold")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from quickdraft.errors import ConfigError
+from quickdraft.verify.penalties import shapes_logits
 
 if TYPE_CHECKING:
     from quickdraft.config import SpeculativeConfig
@@ -71,6 +72,12 @@ class Proposer(Protocol):
 
     def close(self) -> None:
         """The engine is shutting down: write what must outlive the process (suffix's cache)."""
+
+
+def accepts_trees(params) -> bool:
+    """Whether a request's drafts may form a token tree: the runner shapes logits (penalties,
+    biases) and reads logprobs along chains only, so such requests draft chains."""
+    return params.logprobs is None and not shapes_logits(params)
 
 
 REGISTRY: dict[str, type] = {}

@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.verify.penalties import shapes_logits
+from quickdraft.proposers.base import DraftProposal, accepts_trees, register
 
 
 def lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
@@ -84,7 +83,7 @@ class NgramProposer:
         drafts, parents = [], []
         for s, k in zip(seqs, num_tokens):
             tokens = np.asarray(s.token_ids, dtype=np.int64)
-            if k > 0 and self.branches > 1 and s.params.logprobs is None and not shapes_logits(s.params):
+            if k > 0 and self.branches > 1 and accepts_trees(s.params):
                 nodes, tree = merge(continuations(tokens, k, self.n_max, self.n_min, self.branches), k)
                 drafts.append(nodes)
                 parents.append(tree if tree != list(range(-1, len(tree) - 1)) else None)  # a lone chain stays one

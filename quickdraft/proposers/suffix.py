@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.errors import ConfigError
-from quickdraft.proposers.base import DraftProposal, register
+from quickdraft.proposers.base import DraftProposal, accepts_trees, register
 from quickdraft.proposers.suffix_tree import DraftTree, SuffixTrie
 
 log = logging.getLogger("quickdraft.proposers")
@@ -134,8 +134,9 @@ class SuffixProposer:
 
     def __init__(self, depth: int = 24, max_spec_factor: float = 1.0, min_prob: float = 0.1,
                  max_cached_requests: int = 10000, max_cached_tokens: int = 100_000,
-                 cache_path: str | None = None, vocab_size: int = 0):
+                 cache_path: str | None = None, vocab_size: int = 0, branches: int = 1):
         self.depth, self.max_spec_factor, self.min_prob = depth, max_spec_factor, min_prob
+        self.branches = branches  # children a node of the draft tree may have; 1: chains
         self.cache = SuffixCache(depth, max_cached_requests, max_cached_tokens)
         self.cache_path = Path(cache_path) if cache_path else None
         self.vocab_size = vocab_size
@@ -149,12 +150,21 @@ class SuffixProposer:
         return cls(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_spec_factor,
                    spec.suffix_decoding_min_token_prob, spec.suffix_decoding_max_cached_requests,
                    spec.suffix_decoding_max_cached_tokens, spec.suffix_decoding_cache_path,
-                   ctx.target.config.vocab_size)
+                   ctx.target.config.vocab_size, spec.num_branches)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
-        drafts = [self.draft_tree(s, k).chain() if k > 0 else [] for s, k in zip(seqs, num_tokens)]
+        drafts, parents = [], []
+        for s, k in zip(seqs, num_tokens):
+            if k > 0 and self.branches > 1 and accepts_trees(s.params):
+                tree = self.draft_tree(s, k, width=self.branches)  # best-first: parents before children
+                drafts.append(tree.tokens)
+                parents.append(tree.parents if tree.parents != list(range(-1, len(tree.parents) - 1)) else None)
+            else:
+                drafts.append(self.draft_tree(s, k).chain() if k > 0 else [])
+                parents.append(None)
         flat = [t for d in drafts for t in d]
-        return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], None)
+        return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], None,
+                             parents if any(p is not None for p in parents) else None)
 
     def draft_tree(self, seq, k: int, width: int = 1) -> DraftTree:
         """The better of the two tries' candidate trees for ``seq`` (up to ``k`` nodes), by expected

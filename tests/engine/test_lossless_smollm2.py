@@ -61,6 +61,9 @@ def test_ngram_equals_plain(target, plain, spec):
     {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
     {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 0.0,
      "suffix_decoding_max_spec_factor": 2.0, "adaptive": False},
+    # token trees: up to 3 children a node, best-first, 8 nodes a step
+    {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 0.0, "num_branches": 3,
+     "adaptive": False},
 ])
 def test_suffix_equals_plain(target, plain, spec):
     """Twice on one engine: the second run drafts from the first run's outputs (the global cache)
