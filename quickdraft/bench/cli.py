@@ -27,7 +27,7 @@ DEFAULTS = {
     "model": "smollm2-135m-instruct", "draft_model": None, "datasets": "humaneval", "limit": 10,
     "categories": None, "max_tokens": 128, "temperature": 0.0, "seed": 0, "num_seeds": None, "repeats": 1,
     "methods": "none,ngram", "num_speculative_tokens": "4", "prompt_lookup_max": "4", "prompt_lookup_min": "2",
-    "adaptive": "true", "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
+    "num_branches": "1", "adaptive": "true", "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
     "peer_timeout": 1800,
 }
 SUITES = {
@@ -46,7 +46,7 @@ FLAGS = {  # setting -> its flag, in the order the reproducing command lists the
     "categories": "--categories", "max_tokens": "--max-tokens", "temperature": "--temperature", "seed": "--seed",
     "num_seeds": "--num-seeds", "repeats": "--repeats", "methods": "--methods",
     "num_speculative_tokens": "--num-speculative-tokens", "prompt_lookup_max": "--prompt-lookup-max",
-    "prompt_lookup_min": "--prompt-lookup-min", "adaptive": "--adaptive", "peers": "--peers",
+    "prompt_lookup_min": "--prompt-lookup-min", "num_branches": "--num-branches", "adaptive": "--adaptive", "peers": "--peers",
     "peer_num_speculative_tokens": "--peer-num-speculative-tokens", "warmup_tokens": "--warmup-tokens",
     "max_model_len": "--max-model-len", "peer_timeout": "--peer-timeout",
 }
@@ -74,6 +74,8 @@ def register(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", help="K values, comma-separated (e.g. 2,4,6,8)")
     p.add_argument("--prompt-lookup-max", help="ngram: longest n-gram sizes, comma-separated")
     p.add_argument("--prompt-lookup-min", help="ngram: shortest n-gram sizes, comma-separated")
+    p.add_argument("--num-branches", help="ngram, suffix: 1 (chains), or more to draft token trees "
+                                          "(e.g. 1,3: chains and trees side by side)")
     p.add_argument("--adaptive", help="true (K planned per step, up to each K: the default), false (always K), "
                                       "or true,false (both)")
     p.add_argument("--peers", help="comma-separated: transformers, llama_cpp, or none")
@@ -171,13 +173,17 @@ def build_config(settings: dict, args):
     for k in ks:
         SpeculativeConfig(method="ngram", num_speculative_tokens=k)  # validates K
     vs = variants(methods, ks, settings["draft_model"], _ints(settings["prompt_lookup_max"], "--prompt-lookup-max"),
-                  _ints(settings["prompt_lookup_min"], "--prompt-lookup-min"), _bools(settings["adaptive"], "--adaptive"))
+                  _ints(settings["prompt_lookup_min"], "--prompt-lookup-min"), _bools(settings["adaptive"], "--adaptive"),
+                  _ints(settings["num_branches"], "--num-branches"))
+    for b in {v.branches for v in vs}:
+        SpeculativeConfig(method="ngram", num_branches=b)  # validates the branch count
     if args.speculative_config:
         s = SpeculativeConfig.parse(args.speculative_config)
         if s.enabled:
             vs.append(Variant(s.method, s.num_speculative_tokens,
                               s.prompt_lookup_max if s.method == "ngram" else None,
-                              s.prompt_lookup_min if s.method == "ngram" else None, s.model, s.adaptive))
+                              s.prompt_lookup_min if s.method == "ngram" else None, s.model, s.adaptive,
+                              s.num_branches))
     vs = list(dict.fromkeys(vs))
     peers = [p for p in _names(settings["peers"]) if p != "none"]
     bad = [p for p in peers if p not in PEERS]

@@ -46,15 +46,17 @@ class Variant:
     lookup_min: int | None = None
     draft: str | None = None  # draft_model only: the draft's name or path
     adaptive: bool = True  # K planned per step up to k (engine/cost.py); False: always k
+    branches: int = 1  # ngram, suffix: > 1 drafts token trees of at most k nodes
 
     @property
     def name(self) -> str:
         if self.method == "none":
             return "none"
         fixed = "" if self.adaptive else " fixed"
+        tree = f" tree B={self.branches}" if self.branches > 1 else ""
         if self.method == "ngram":
-            return f"ngram K={self.k}{fixed} n={self.lookup_min}..{self.lookup_max}"
-        return f"{self.method} K={self.k}{fixed}"
+            return f"ngram K={self.k}{fixed}{tree} n={self.lookup_min}..{self.lookup_max}"
+        return f"{self.method} K={self.k}{fixed}{tree}"
 
     def spec(self, draft: LoadedModel | None) -> dict | None:
         if self.method == "none":
@@ -64,6 +66,8 @@ class Variant:
             spec.update(prompt_lookup_max=self.lookup_max, prompt_lookup_min=self.lookup_min)
         if self.method == "draft_model":
             spec["model"] = draft
+        if self.branches > 1:
+            spec["num_branches"] = self.branches
         return spec
 
     def to_dict(self) -> dict:
@@ -71,18 +75,21 @@ class Variant:
 
 
 def variants(methods: list[str], ks: list[int], draft: str | None, lookup_max: list[int],
-             lookup_min: list[int], adaptive: tuple[bool, ...] = (True,)) -> list[Variant]:
-    """Every combination, ``none`` first (added when not asked for: it is the baseline)."""
+             lookup_min: list[int], adaptive: tuple[bool, ...] = (True,), branches: list[int] = (1,)) -> list[Variant]:
+    """Every combination, ``none`` first (added when not asked for: it is the baseline); branch
+    counts apply to the methods that draft trees (ngram, suffix)."""
     out = [Variant("none")]
     for m in methods:
         if m == "none":
             continue
         for k in ks:
             for a in adaptive:
-                if m == "ngram":
-                    out += [Variant(m, k, hi, lo, adaptive=a) for hi in lookup_max for lo in lookup_min if lo <= hi]
-                else:
-                    out.append(Variant(m, k, draft=draft if m == "draft_model" else None, adaptive=a))
+                for b in (branches if m in ("ngram", "suffix") else (1,)):
+                    if m == "ngram":
+                        out += [Variant(m, k, hi, lo, adaptive=a, branches=b)
+                                for hi in lookup_max for lo in lookup_min if lo <= hi]
+                    else:
+                        out.append(Variant(m, k, draft=draft if m == "draft_model" else None, adaptive=a, branches=b))
     return out
 
 

@@ -21,7 +21,8 @@ def _obj(required: dict, optional: dict | None = None) -> dict:
 
 VARIANT = _obj({"name": STR, "method": {"enum": ["none", "ngram", "draft_model", "suffix"]}, "k": INT,
                 "lookup_max": {"type": ["integer", "null"]}, "lookup_min": {"type": ["integer", "null"]},
-                "draft": {"type": ["string", "null"]}, "adaptive": {"type": "boolean"}})
+                "draft": {"type": ["string", "null"]}, "adaptive": {"type": "boolean"}},
+               {"branches": INT})
 
 RUN = _obj({
     "request": STR, "variant": STR, "seed": {"type": ["integer", "null"]}, "repeat": INT, "token_ids": INTS,
