@@ -37,14 +37,7 @@ def reference_verify(
     gamma = len(x)
     if params.greedy:
         return _reference_greedy(x, target_logits)
-    rows = gamma + 1
-    p = logits_to_probs(
-        target_logits,
-        torch.full((rows,), float(params.temperature), dtype=torch.float32),
-        torch.full((rows,), int(params.top_k), dtype=torch.int64),
-        torch.full((rows,), float(params.top_p), dtype=torch.float32),
-        torch.full((rows,), float(params.min_p), dtype=torch.float32),
-    )
+    p = _probs(target_logits, params)
     q = [_q_i(x, draft_probs, i, p.shape[1]) for i in range(1, gamma + 1)]
     r = uniforms[:gamma]
 
@@ -64,6 +57,18 @@ def reference_verify(
         p_prime = p[gamma]  # p_{gamma+1}
     t = int(sample_from_probs(p_prime.unsqueeze(0), uniforms[gamma : gamma + 1])[0])
     return list(x[:n]) + [t], n
+
+
+def _probs(target_logits: Tensor, params: SamplingParams) -> Tensor:
+    """One request's params on every row: probs [rows, V] float32."""
+    rows = target_logits.shape[0]
+    return logits_to_probs(
+        target_logits,
+        torch.full((rows,), float(params.temperature), dtype=torch.float32),
+        torch.full((rows,), int(params.top_k), dtype=torch.int64),
+        torch.full((rows,), float(params.top_p), dtype=torch.float32),
+        torch.full((rows,), float(params.min_p), dtype=torch.float32),
+    )
 
 
 def _q_i(x: list[int], draft_probs: Tensor | None, i: int, vocab: int) -> Tensor:
@@ -106,14 +111,7 @@ def reference_verify_tree(
                 return [tokens[c] for c in path] + [t], path
             node = match[0]
             path.append(node)
-    rows = n + 1
-    p = logits_to_probs(
-        target_logits,
-        torch.full((rows,), float(params.temperature), dtype=torch.float32),
-        torch.full((rows,), int(params.top_k), dtype=torch.int64),
-        torch.full((rows,), float(params.top_p), dtype=torch.float32),
-        torch.full((rows,), float(params.min_p), dtype=torch.float32),
-    ).double().tolist()
+    p = _probs(target_logits, params).double().tolist()
     vocab = len(p[0])
 
     def q_of(c: int) -> list[float]:

@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -55,9 +56,10 @@ void attend_one(const float* q, const T* K, const T* V, int64_t ks, int64_t len,
   for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(o[c / 16], _mm512_set1_ps(inv)));
 }
 
-template <typename T>
-void chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
-           int64_t d, int64_t ctx, float scale) {
+// rows j = 0..m-1 of Q (and heads h) each over len(j) keys, key(j, i) the i-th of them
+template <typename T, typename Len, typename Key>
+void attend_rows(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H,
+                 int64_t Hkv, int64_t d, int64_t ctx, float scale, Len len, Key key) {
   const int64_t group = H / Hkv;
 #pragma omp parallel
   {
@@ -66,30 +68,57 @@ void chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float
     for (int64_t j = 0; j < m; ++j)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t kvh = h / group;
-        attend_one(Q + (j * H + h) * d, K + kvh * hs, V + kvh * hs, ks, ctx + j + 1, d, scale, scores.data(),
-                   O + (j * H + h) * d, [](int64_t i) { return i; });
+        attend_one(Q + (j * H + h) * d, K + kvh * hs, V + kvh * hs, ks, len(j), d, scale, scores.data(),
+                   O + (j * H + h) * d, [&](int64_t i) { return key(j, i); });
       }
   }
 }
 
-// row j attends over keys 0..ctx-1, then ctx + path[start[j]] .. ctx + path[start[j + 1] - 1]
+// a chain: row j over keys 0..ctx+j
+template <typename T>
+void chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
+           int64_t d, int64_t ctx, float scale) {
+  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return ctx + j + 1; },
+              [](int64_t, int64_t i) { return i; });
+}
+
+// a tree: row j over keys 0..ctx-1, then ctx + path[start[j]] .. ctx + path[start[j + 1] - 1]
 // (its new tokens' ancestors and itself, root first)
 template <typename T>
 void tree(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
           int64_t d, int64_t ctx, const int64_t* start, const int64_t* path, float scale) {
-  const int64_t group = H / Hkv;
-#pragma omp parallel
-  {
-    std::vector<float> scores(ctx + m + 16);
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t j = 0; j < m; ++j)
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t kvh = h / group;
-        const int64_t* mine = path + start[j];
-        attend_one(Q + (j * H + h) * d, K + kvh * hs, V + kvh * hs, ks, ctx + start[j + 1] - start[j], d, scale,
-                   scores.data(), O + (j * H + h) * d, [=](int64_t i) { return i < ctx ? i : ctx + mine[i - ctx]; });
-      }
+  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return ctx + start[j + 1] - start[j]; },
+              [=](int64_t j, int64_t i) { return i < ctx ? i : ctx + path[start[j] + i - ctx]; });
+}
+
+}  // namespace
+
+namespace {
+
+// the checks both entry points share; (m, H, d, Hkv)
+std::array<int64_t, 4> check(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q [m, heads, d] float32");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys, values [kv_heads, L, d] alike");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 || keys.scalar_type() == torch::kBFloat16, "keys float32 or bfloat16");
+  const int64_t m = q.size(0), H = q.size(1), d = q.size(2), Hkv = keys.size(0);
+  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && keys.size(2) == d && keys.stride(2) == 1, "head_dim a multiple of 16, at most 256, contiguous");
+  TORCH_CHECK(H % Hkv == 0 && keys.size(1) >= ctx + m, "heads a multiple of kv heads; the cache holds ctx + m keys");
+  return {m, H, d, Hkv};
+}
+
+// run(Q, K, V, head stride, key stride, O) with the keys' element type -> O [m, H * d]
+template <typename Run>
+torch::Tensor with_dtype(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, Run run) {
+  auto qc = q.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  const int64_t hs = keys.stride(0), ks = keys.stride(1);
+  if (keys.scalar_type() == torch::kFloat32) {
+    run(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), hs, ks, out.data_ptr<float>());
+  } else {
+    run(qc.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), hs, ks, out.data_ptr<float>());
   }
+  return out;
 }
 
 }  // namespace
@@ -97,24 +126,10 @@ void tree(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float*
 // q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d] (float32 or bfloat16, rows contiguous);
 // row j attends over keys 0..ctx+j -> [m, H * d] float32
 torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q [m, heads, d] float32");
-  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys, values [kv_heads, L, d] alike");
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
-  const int64_t m = q.size(0), H = q.size(1), d = q.size(2), Hkv = keys.size(0);
-  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && keys.size(2) == d && keys.stride(2) == 1, "head_dim a multiple of 16, at most 256, contiguous");
-  TORCH_CHECK(H % Hkv == 0 && keys.size(1) >= ctx + m, "heads a multiple of kv heads; the cache holds ctx + m keys");
-  auto qc = q.contiguous();
-  auto out = torch::empty({m, H * d}, q.options());
-  const int64_t hs = keys.stride(0), ks = keys.stride(1);
-  if (keys.scalar_type() == torch::kFloat32) {
-    chain(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), hs, ks, out.data_ptr<float>(), m, H, Hkv, d, ctx,
-          static_cast<float>(scale));
-  } else {
-    TORCH_CHECK(keys.scalar_type() == torch::kBFloat16, "keys float32 or bfloat16");
-    chain(qc.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), hs, ks, out.data_ptr<float>(), m, H,
-          Hkv, d, ctx, static_cast<float>(scale));
-  }
-  return out;
+  const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
+  return with_dtype(q, keys, values, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
+    chain(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, static_cast<float>(scale));
+  });
 }
 
 // q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d]; the new tokens form a tree whose row j
@@ -123,12 +138,7 @@ torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor va
 // the bits attend_chain gives the same history laid out as a chain
 torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
                           torch::Tensor path, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q [m, heads, d] float32");
-  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys, values [kv_heads, L, d] alike");
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
-  const int64_t m = q.size(0), H = q.size(1), d = q.size(2), Hkv = keys.size(0);
-  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && keys.size(2) == d && keys.stride(2) == 1, "head_dim a multiple of 16, at most 256, contiguous");
-  TORCH_CHECK(H % Hkv == 0 && keys.size(1) >= ctx + m, "heads a multiple of kv heads; the cache holds ctx + m keys");
+  const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
   TORCH_CHECK(start.scalar_type() == torch::kInt64 && start.dim() == 1 && start.size(0) == m + 1, "start [m + 1] int64");
   TORCH_CHECK(path.scalar_type() == torch::kInt64 && path.dim() == 1, "path int64");
   auto st = start.contiguous(), pt = path.contiguous();
@@ -140,16 +150,7 @@ torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor val
     for (int64_t i = s[j]; i < s[j + 1]; ++i) TORCH_CHECK(a[i] >= 0 && a[i] <= j, "row ", j, "'s path holds earlier rows only");
     TORCH_CHECK(a[s[j + 1] - 1] == j, "row ", j, "'s path ends at itself");
   }
-  auto qc = q.contiguous();
-  auto out = torch::empty({m, H * d}, q.options());
-  const int64_t hs = keys.stride(0), ks = keys.stride(1);
-  if (keys.scalar_type() == torch::kFloat32) {
-    tree(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), hs, ks, out.data_ptr<float>(), m, H, Hkv, d, ctx,
-         s, a, static_cast<float>(scale));
-  } else {
-    TORCH_CHECK(keys.scalar_type() == torch::kBFloat16, "keys float32 or bfloat16");
-    tree(qc.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), hs, ks, out.data_ptr<float>(), m, H,
-         Hkv, d, ctx, s, a, static_cast<float>(scale));
-  }
-  return out;
+  return with_dtype(q, keys, values, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
+    tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, s, a, static_cast<float>(scale));
+  });
 }
