@@ -126,3 +126,29 @@ def test_tool_choice_none_and_a_tool_reply(client):
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
     r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="module")
+def qwen_client(request, qwen05_path):
+    """Qwen2.5-Coder-0.5B, whose own chat template renders the tools and whose vocabulary has
+    <tool_call> as a token (the grammar asks for that token)."""
+    from qd_server import ServerProcess
+
+    server = ServerProcess("--model", QWEN, "--dtype", "bfloat16", "--max-num-seqs", "1", "--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}', log_name="qwen")
+    request.addfinalizer(server.stop)
+    server.wait_ready(timeout=600)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def test_qwen_template_tools(qwen_client):
+    msgs = [{"role": "user", "content": "What is the weather like in Paris, in celsius?"}]
+    for choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
+        r = qwen_client.chat.completions.create(model=QWEN, messages=msgs, tools=[ADD, WEATHER], tool_choice=choice,
+                                                max_tokens=48, temperature=0)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_weather", (choice, c)
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
