@@ -418,18 +418,25 @@ class _Reply:
         before the calls, or all of its text where no call parses."""
         if not self.tools:
             return out.text, []
+        text = self.tool_text(out)
         if not out.finished:
-            cut = out.text.find(tooling.CALL_OPEN)
-            return (out.text if cut < 0 else out.text[:cut]), []
-        content, calls = tooling.parse_tool_calls(out.text)
+            if text.lstrip().startswith("{"):  # perhaps a call without its tags: held to the end
+                return "", []
+            cut = text.find(tooling.CALL_OPEN)
+            return (text if cut < 0 else text[:cut]), []
+        content, calls = tooling.parse_tool_calls(text)
         if not calls:
-            return out.text, []
-        cut = out.text.find(tooling.CALL_OPEN)
-        return out.text[:cut], calls
+            return text, []
+        return content or "", calls
+
+    def tool_text(self, out: RequestOutput) -> str:
+        """The reply's text with its special tokens: Qwen's <tool_call> is one, which the
+        engine's text (special tokens skipped) leaves out. The end of sequence is not in it."""
+        return self.tokenizer.decode(out.token_ids, skip_special_tokens=False)
 
     def message(self, out: RequestOutput) -> tuple[dict, str | None]:
         """A finished chat choice's message and finish_reason ("tool_calls" where it called one)."""
-        content, calls = tooling.parse_tool_calls(out.text) if self.tools else (out.text, [])
+        content, calls = tooling.parse_tool_calls(self.tool_text(out)) if self.tools else (out.text, [])
         if not calls:
             return {"role": "assistant", "content": out.text}, out.finish_reason
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"

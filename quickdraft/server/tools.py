@@ -113,23 +113,28 @@ def _calls_as_text(message: dict) -> dict:
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """(content before the calls or None, OpenAI tool_calls) of a reply; a reply without a
-    well-formed call is all content."""
-    calls = []
-    for m in _CALL.finditer(text):
-        try:
-            body = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-            continue
-        args = body.get("arguments", body.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": body["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+    well-formed call is all content. Small models sometimes leave the tags out: a reply that is
+    nothing but a call's JSON object ({"name": ..., "arguments": {...}}) is a call too."""
+    bodies = [m.group(1) for m in _CALL.finditer(text)]
+    bare = not bodies and text.strip().startswith("{")
+    calls = [c for c in map(_call, [text.strip()] if bare else bodies) if c is not None]
     if not calls:
         return text, []
-    content = text[: text.find(CALL_OPEN)].strip()
+    content = "" if bare else text[: text.find(CALL_OPEN)].strip()
     return content or None, calls
+
+
+def _call(body: str) -> dict | None:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+            not isinstance(call.get("arguments", call.get("parameters")), (dict, str)):
+        return None
+    args = call.get("arguments", call.get("parameters"))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
 def template_message(message: dict) -> dict:
