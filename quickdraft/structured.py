@@ -170,10 +170,13 @@ class GrammarMatcher:
         return bits.reshape(len(drafts) + 1, -1)[:, : self.vocab_size].bool()
 
     def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces from here (its only continuation)."""
+        """Up to ``limit`` tokens the grammar forces from here (its only continuation). They are
+        the forced bytes tokenized, which the grammar need not accept token by token (a special
+        token spelled as text): only the prefix it accepts is kept."""
         if limit <= 0 or self._m.is_stopped():
             return []
-        return self._m.compute_ff_tokens()[:limit]
+        tokens = self._m.compute_ff_tokens()[:limit]
+        return tokens[: self.allowed_prefix(tokens)]
 
     def advance(self, token: int) -> bool:
         """Consume an emitted token; False if the grammar did not allow it (then it is in error)."""
