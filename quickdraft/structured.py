@@ -19,8 +19,8 @@ output tokens. Terms:
 The library is llguidance, picked by measurement against xgrammar 0.2.9 on this CPU (AMD EPYC,
 2 cores; a 6-property nested schema; median / max time of one next-token mask over a 58-61 token
 instance): llguidance 1.9.1 takes 0.016 / 1.4 ms a mask on SmolLM2's 49k vocabulary and 0.030 /
-0.8 ms on Qwen's 152k, compiles a schema lazily (a small schema's matcher and first mask: 3 ms and 17 ms) and its
-tokenizer in 0.3 s and 1.1 s; xgrammar takes 0.005 / 0.2 ms and 0.004 / 0.5 ms a mask, 39 ms and
+0.8 ms on Qwen's 152k, compiles a schema lazily (a small schema's matcher and first mask: 3 ms and
+17 ms) and its tokenizer in 0.3 s and 1.1 s; xgrammar takes 0.005 / 0.2 ms and 0.004 / 0.5 ms a mask, 39 ms and
 88 ms a schema, 0.3 s and 1.7 s a tokenizer. Both are far below a target pass (tens of ms), but
 xgrammar, given this tokenizer, let control tokens such as ``<|im_start|>`` into a JSON string
 (llguidance reads which tokens are special from the tokenizer's own JSON), and it pulls in
