@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.errors import ConfigError
+from quickdraft.structured import StructuredSpec
 
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -53,6 +54,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    # what the output must match (a JSON schema, a regex, a grammar: quickdraft/structured.py);
+    # the target is masked to it at every verified position
+    structured: StructuredSpec | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -24,9 +24,11 @@ from quickdraft.models.ggml import on_blocks
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.proposers.base import ProposerContext, create_proposer
 from quickdraft.sampling import SamplingParams, make_generator
+from quickdraft.structured import GrammarCompiler
 
 DEFAULT_MAX_MODEL_LEN = 4096
 PROBE_ACCEPTANCE = 0.8  # the acceptance rate a probe is planned with (adaptive K)
+MAX_FORCED_DRAFT = 16  # a grammar's forced tokens proposed in one step (structured.py)
 
 
 class Engine:
@@ -58,6 +60,8 @@ class Engine:
         self.acceptance = Acceptance(decay=0.99)  # every sequence's drafts: the prior for a new one
         self._ids = itertools.count()
         self.eos_token_ids = set(self.model.config.eos_token_ids)
+        # structured outputs: grammars compiled for this tokenizer, cached by spec
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size) if self.tokenizer else None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -73,6 +77,10 @@ class Engine:
             )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(request_id, list(prompt_token_ids), params, make_generator(params.seed, "cpu"))
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ConfigError("structured outputs need the model's tokenizer, and this model has none", "structured")
+            seq.grammar = self.grammars.matcher(params.structured)
         self.scheduler.add(seq)
         return request_id
 
@@ -94,7 +102,7 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        results = self.runner.step(seqs, self._num_draft(seqs))
+        results = self.runner.step(seqs, self._num_draft(seqs), self._forced_room(seqs))
         return [self._postprocess(r) for r in results]
 
     def draft_cap(self, params: SamplingParams) -> int:
@@ -129,6 +137,14 @@ class Engine:
         return plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
                                   [s.num_pending for s in seqs], [s.num_cached for s in seqs], catchup, shares)
 
+    def _forced_room(self, seqs: list[Sequence]) -> list[int]:
+        """The most forced grammar tokens each sequence may draft this step (structured.py): free
+        to make and nearly always accepted, so they are drafted with speculation off too, unless
+        the request turned speculation off for itself (``num_speculative_tokens: 0``)."""
+        return [0 if s.grammar is None or s.params.num_speculative_tokens == 0 else
+                max(0, min(MAX_FORCED_DRAFT, s.params.max_tokens - len(s.output_token_ids) - 1,
+                           self.max_model_len - len(s) - 1)) for s in seqs]
+
     def _postprocess(self, r: StepResult) -> RequestOutput:
         seq = r.seq
         if r.error is not None:
@@ -157,7 +173,7 @@ class Engine:
 
     def _track_acceptance(self, seq: Sequence, r: StepResult) -> None:
         """The acceptance estimates and probe counter that _num_draft plans with."""
-        if r.num_drafts:
+        if r.num_drafts and not r.forced:  # a grammar's forced tokens say nothing of the proposer
             seq.acceptance.record(r.num_drafts, r.num_accepted)
             self.acceptance.record(r.num_drafts, r.num_accepted)
             seq.steps_without_drafts = 0
@@ -171,6 +187,9 @@ class Engine:
             seq.finish("stop")
             return True
         seq.output_token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.advance(token):
+            seq.finish("error", f"the output left its grammar: {seq.grammar.error}")
+            return True
         if p.stop:
             seq.text = self.tokenizer.decode(seq.output_token_ids)
             hit = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
@@ -178,6 +197,9 @@ class Engine:
                 seq.text = seq.text[:hit]
                 seq.finish("stop")
                 return True
+        if seq.grammar is not None and seq.grammar.terminated:  # complete: nothing may follow
+            seq.finish("stop")
+            return True
         if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
             seq.finish("length")
             return True

@@ -6,6 +6,11 @@ sequence. The last K_i + 1 rows of each sequence's chunk are the rows the verifi
 scores the token after draft token j - 1. After verification the sequence's cached length moves to
 cover the pending tokens and the accepted drafts; the rejected drafts' keys stay in the cache as
 garbage that the next pass overwrites.
+
+A sequence with a grammar (structured.py) drafts its grammar's forced tokens where there are any
+(the proposer is not asked for it then), has any other draft cut before its first token the
+grammar rejects, and has every one of its rows masked to what the grammar allows after the drafts
+before that row.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence, TokenLogprob
 from quickdraft.proposers.base import DraftProposal, Proposer
 from quickdraft.sampling import BatchSampling, draw_uniforms
+from quickdraft.structured import apply_masks
 from quickdraft.verify.penalties import shape_rows, shapes_logits
 from quickdraft.verify.rejection import VerifyOutput, verify
 from quickdraft.verify.tree import DraftTree, verify_tree
@@ -67,6 +73,7 @@ class StepResult:
     num_accepted: int
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one for each of token_ids, where the request asked
+    forced: bool = False  # the drafts were the grammar's forced tokens, not the proposer's
 
 
 class Runner:
@@ -74,9 +81,14 @@ class Runner:
         self.target, self.kv, self.proposer = target, kv, proposer
         self.target_cost = target_cost  # refitted with every pass's rows and seconds (scoring to commit)
 
-    def step(self, seqs: list[Sequence], num_draft: list[int]) -> list[StepResult]:
-        """num_draft [batch]: the most draft tokens each sequence may take this step."""
-        proposal = self._propose(seqs, num_draft)
+    def step(self, seqs: list[Sequence], num_draft: list[int], forced_room: list[int] | None = None) -> list[StepResult]:
+        """num_draft [batch]: the most draft tokens each sequence may take this step from the
+        proposer; forced_room [batch]: the most forced grammar tokens (none if None)."""
+        forced = [s.grammar.forced(room) if s.grammar is not None else []
+                  for s, room in zip(seqs, forced_room or [0] * len(seqs))]
+        proposal = self._propose(seqs, [0 if f else k for f, k in zip(forced, num_draft)])
+        if any(s.grammar is not None for s in seqs):
+            proposal = _grammar_drafts(seqs, proposal, forced)
         started = time.perf_counter()
         # a decoding pass (no prompt in it) is timed for the cost model; prompt passes cost otherwise
         timed = self.target_cost is not None and all(s.num_pending == 1 for s in seqs)
@@ -95,6 +107,8 @@ class Runner:
             )
         self.proposer.observe(seqs, outcome)
         results = self._commit(seqs, proposal, outcome, ok)
+        for r, f in zip(results, forced):
+            r.forced = bool(f)
         self._logprobs(results, proposal.num_tokens, logits)
         if timed:
             self.target_cost.observe(len(seqs) + sum(proposal.num_tokens), time.perf_counter() - started,
@@ -160,17 +174,21 @@ class Runner:
 
     def _shaped(self, seqs: list[Sequence], proposal: DraftProposal, logits: torch.Tensor) -> torch.Tensor:
         """The logits the verifier judges by: where a request has penalties, a bias or
-        min_tokens, its rows shaped by the text up to each row (verify/penalties.py), in a copy (the
-        raw rows stay for logprobs); the logits themselves where none has."""
-        if not any(shapes_logits(s.params) for s in seqs):
+        min_tokens, its rows shaped by the text up to each row (verify/penalties.py), and where it
+        has a grammar, each row masked to what the grammar allows after the drafts before it
+        (structured.py), in a copy (the raw rows stay for logprobs); the logits themselves where
+        no request has either."""
+        if not any(shapes_logits(s.params) or s.grammar is not None for s in seqs):
             return logits
         shaped, drafts = logits.float().clone(), proposal.token_ids.tolist()
         eos = list(self.target.config.eos_token_ids)
         start = at = 0
         for s, k in zip(seqs, proposal.num_tokens):
+            rows = shaped[start : start + k + 1]
             if shapes_logits(s.params):
-                shape_rows(shaped[start : start + k + 1], s.params, s.prompt_token_ids, s.output_token_ids,
-                           drafts[at : at + k], eos)
+                shape_rows(rows, s.params, s.prompt_token_ids, s.output_token_ids, drafts[at : at + k], eos)
+            if s.grammar is not None:
+                apply_masks(rows, s.grammar.masks(drafts[at : at + k]).to(rows.device), eos)
             start, at = start + k + 1, at + k
         return shaped
 
@@ -227,3 +245,28 @@ class Runner:
             s.num_cached += s.num_pending + accepted
             results.append(StepResult(s, list(tokens), k, accepted))
         return results
+
+
+def _grammar_drafts(seqs: list[Sequence], proposal: DraftProposal, forced: list[list[int]]) -> DraftProposal:
+    """The proposal with each grammar sequence's forced tokens as its draft (point masses: a
+    one-hot q where the proposal carries q), and every other draft of a grammar sequence cut
+    before its first token the grammar rejects (that token would be rejected: p = 0 there)."""
+    drafts, rows, at = [], [], 0
+    for s, k, f in zip(seqs, proposal.num_tokens, forced):
+        own = proposal.token_ids[at : at + k].tolist()
+        if f:
+            drafts.append(f)
+            rows.append(None)
+        else:
+            keep = s.grammar.allowed_prefix(own) if s.grammar is not None else k
+            drafts.append(own[:keep])
+            rows.append(torch.arange(at, at + keep))
+        at += k
+    flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+    probs = proposal.probs
+    if probs is not None:
+        vocab = probs.shape[1]
+        parts = [probs[r.to(probs.device)] if r is not None else
+                 torch.nn.functional.one_hot(torch.tensor(d), vocab).to(probs) for d, r in zip(drafts, rows)]
+        probs = torch.cat(parts) if parts else probs
+    return DraftProposal(flat, [len(d) for d in drafts], probs)

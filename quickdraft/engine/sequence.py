@@ -10,6 +10,7 @@ import torch
 
 from quickdraft.engine.cost import Acceptance
 from quickdraft.sampling import SamplingParams
+from quickdraft.structured import GrammarMatcher
 
 
 class Status(enum.Enum):
@@ -133,6 +134,7 @@ class Sequence:
     finish_time: float | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (engine/cost.py)
     steps_without_drafts: int = 0  # decoding steps since its last draft (for probing)
+    grammar: GrammarMatcher | None = None  # params.structured's state after output_token_ids
     _reported: int = 0  # output tokens already handed out in a RequestOutput
 
     @property

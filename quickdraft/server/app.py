@@ -41,6 +41,8 @@ from quickdraft.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, parse_request,
 )
 from quickdraft.server.streaming import SSE_DONE, IncrementalText, sse
+from quickdraft.server import tools as tooling
+from quickdraft.structured import StructuredSpec
 
 log = logging.getLogger("quickdraft.server")
 
@@ -228,16 +230,38 @@ class _Api:
 
     async def chat_completions(self, request: Request):
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        messages = [m.as_template_dict() for m in req.messages]
+        tooling.check_tools(req.tools, req.tool_choice)
+        messages = [tooling.template_message(m.as_template_dict()) for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tooling.render(self.tokenizer, messages, tooling.active_tools(req.tools, req.tool_choice))
         except QuickdraftError:
             raise
         except Exception as e:  # a Jinja error in the model's own template, on these messages
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
         return await self._generate(request, req, [self.tokenizer.encode(text)], chat=True)
 
-    def _params(self, req, prompt: list[int], index: int, chat: bool) -> SamplingParams:
+    async def _structured(self, req, chat: bool) -> StructuredSpec | None:
+        """The request's grammar (response_format, structured_outputs, or a tool_choice to enforce),
+        compiled here so that one that does not compile is a 400 (StructuredOutputError) before
+        anything is queued; the engine then finds it in the cache. Off the event loop: the first
+        one builds the grammar library's view of the vocabulary (0.3 s to 1 s)."""
+        spec = req.structured_spec()
+        forced = tooling.tool_spec(tooling.active_tools(req.tools, req.tool_choice), req.tool_choice,
+                                    self.tokenizer) if chat else None
+        if spec is not None and forced is not None:
+            raise APIError(400, "a tool_choice that forces a call cannot be combined with response_format or "
+                           "structured_outputs", param="tool_choice")
+        spec = spec or forced
+        grammars = self.engine.engine.grammars
+        if spec is not None:
+            if grammars is None:
+                raise APIError(400, "structured outputs need the model's tokenizer, and this model has none",
+                               param=spec.param)
+            await asyncio.to_thread(grammars.compile, spec)
+        return spec
+
+    def _params(self, req, prompt: list[int], index: int, chat: bool,
+                structured: StructuredSpec | None = None) -> SamplingParams:
         limit = req.token_limit if chat else req.max_tokens
         if limit is None:  # chat: up to the context; completions: OpenAI's default of 16
             limit = max(1, self.max_model_len - len(prompt)) if chat else 16
@@ -249,7 +273,7 @@ class _Api:
             logprobs=req.logprob_count, prompt_logprobs=None if chat else req.prompt_logprob_count,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=req.bias(), min_tokens=min(req.min_tokens or 0, limit),
+            logit_bias=req.bias(), min_tokens=min(req.min_tokens or 0, limit), structured=structured,
         )
 
     async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
@@ -263,17 +287,19 @@ class _Api:
                                "no room is left to generate", param="messages" if chat else "prompt",
                                code="context_length_exceeded")
         self._check_ids(req.bias(), "logit_bias keys must be token ids that", "logit_bias")
+        structured = await self._structured(req, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         ids, flat, params = [], [], []
         for p_index, prompt in enumerate(prompts):
             for i in range(n):
                 ids.append(f"{rid}-{p_index * n + i}")
                 flat.append(prompt)
-                params.append(self._params(req, prompt, i, chat))
+                params.append(self._params(req, prompt, i, chat, structured))
         group = await self.engine.add(ids, flat, params)
         self.engine.metrics.admitted(sum(len(p) for p in prompts))
         reply = _Reply(rid, req.model, chat, sum(len(p) for p in prompts), self.settings, bool(req.return_token_ids),
-                       req.speculation_cap, self.tokenizer, echo=not chat and bool(req.echo))
+                       req.speculation_cap, self.tokenizer, echo=not chat and bool(req.echo),
+                       tools=chat and bool(tooling.active_tools(req.tools, req.tool_choice)))
         try:
             first = await self._next(group, request)
         except _ClientGone:
@@ -330,7 +356,7 @@ class _Api:
         return JSONResponse(reply.full([final[i] for i in range(len(group.request_ids))]))
 
     async def _stream(self, group: Group, first, reply: "_Reply", stops, include_usage: bool):
-        texts = [IncrementalText(s) for s in stops]
+        texts = [IncrementalText(s + ((tooling.CALL_OPEN,) if reply.tools else ())) for s in stops]
         final: dict[int, RequestOutput] = {}
         try:
             if reply.chat:
@@ -342,12 +368,15 @@ class _Api:
                 if _failed(out):
                     yield sse(reply.failure_body(out))
                     return
-                delta = texts[index].delta(out.text, out.finished)
+                visible, calls = reply.split_calls(out)
+                # with tools, the text up to a call is content; from <tool_call> on it is held back
+                delta = texts[index].delta(visible, out.finished or visible != out.text)
                 if out.finished:
                     final[index] = out
                 if delta or out.finished or ((reply.token_ids or out.new_logprobs) and out.new_token_ids):
-                    yield sse(reply.chunk(index, delta, out.finish_reason if out.finished else None, include_usage,
-                                          token_ids=out.new_token_ids, logprobs=out.new_logprobs))
+                    reason = ("tool_calls" if calls else out.finish_reason) if out.finished else None
+                    yield sse(reply.chunk(index, delta, reason, include_usage, token_ids=out.new_token_ids,
+                                          logprobs=out.new_logprobs, tool_calls=calls))
                 if group.done:
                     break
                 item = await group.queue.get()
@@ -380,7 +409,37 @@ class _Reply:
     tokenizer: Any = None  # renders the tokens of logprobs
     echo: bool = False  # completions' echo: each choice's text (and logprobs) starts with its prompt
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: bool = False  # chat with tools: the replies' tool calls become tool_calls (server/tools.py)
     _offsets: dict[int, int] = field(default_factory=dict)  # a streamed completion choice's text so far, for text_offset
+
+    def split_calls(self, out: RequestOutput) -> tuple[str, list[dict]]:
+        """(the text to show as content so far, the tool calls of a finished reply). With tools,
+        a running reply shows its text up to its first <tool_call>; a finished one, its content
+        before the calls, or all of its text where no call parses."""
+        if not self.tools:
+            return out.text, []
+        text = self.tool_text(out)
+        if not out.finished:
+            if text.lstrip().startswith("{"):  # perhaps a call without its tags: held to the end
+                return "", []
+            cut = text.find(tooling.CALL_OPEN)
+            return (text if cut < 0 else text[:cut]), []
+        content, calls = tooling.parse_tool_calls(text)
+        if not calls:
+            return text, []
+        return content or "", calls
+
+    def tool_text(self, out: RequestOutput) -> str:
+        """The reply's text with its special tokens: Qwen's <tool_call> is one, which the
+        engine's text (special tokens skipped) leaves out. The end of sequence is not in it."""
+        return self.tokenizer.decode(out.token_ids, skip_special_tokens=False)
+
+    def message(self, out: RequestOutput) -> tuple[dict, str | None]:
+        """A finished chat choice's message and finish_reason ("tool_calls" where it called one)."""
+        content, calls = tooling.parse_tool_calls(self.tool_text(out)) if self.tools else (out.text, [])
+        if not calls:
+            return {"role": "assistant", "content": out.text}, out.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def _token(self, token_id: int) -> tuple[str, bytes]:
         raw = self.tokenizer.token_bytes(token_id)
@@ -445,8 +504,8 @@ class _Reply:
 
     def full(self, outs: list[RequestOutput]) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": self.logprobs(o.logprobs, i),
-                        "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
+            choices = [{"index": i, "message": m, "logprobs": self.logprobs(o.logprobs, i), "finish_reason": reason}
+                       for i, o in enumerate(outs) for m, reason in [self.message(o)]]
         elif self.echo:  # the prompt as its tokens decode, then the completion; the first prompt token has no logprob
             choices = [{"index": i, "text": self.tokenizer.decode(o.prompt_token_ids) + o.text,
                         "logprobs": self.echo_logprobs(o, i), "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
@@ -460,12 +519,14 @@ class _Reply:
                 "usage": self.usage(outs)}
 
     def chunk(self, index: int, text: str, finish_reason: str | None, include_usage: bool, role: bool = False,
-              token_ids: list[int] | None = None, logprobs=None) -> dict:
+              token_ids: list[int] | None = None, logprobs=None, tool_calls: list[dict] | None = None) -> dict:
         """One choice's chunk; ``logprobs``: those of the tokens this step emitted (the chunks'
         logprobs together are the whole response's, whatever the text held back for stop strings)."""
         lps = self.logprobs(logprobs, index) if logprobs else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if tool_calls:
+                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}

@@ -4,17 +4,23 @@ Requests are validated strictly: a field of the wrong JSON type (``"max_tokens":
 ``"n": 1.5``, ``"stream": 1``) is a 400 naming the field, not a silent coercion, and so is a field
 we do not know (OpenAI answers "Unrecognized request argument"). A few OpenAI fields that change
 nothing here are accepted and ignored (``user``, ``metadata``, ``store``...); a few we do not implement are accepted only at
-their no-op value and otherwise declined with a 400 that says so (``logprobs``, penalties, ``echo``,
-``tools``...). ``top_k`` and ``ignore_eos`` are extensions, as in vLLM.
+their no-op value and otherwise declined with a 400 that says so. ``top_k``, ``ignore_eos`` and
+``structured_outputs`` are extensions, as in vLLM.
+
+Structured outputs (``response_format``, vLLM's ``structured_outputs``) and tools (``tools``,
+``tool_choice``) become one ``StructuredSpec`` (quickdraft/structured.py, quickdraft/server/tools.py);
+whether it compiles is the app's to check, against the model's tokenizer.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.structured import StructuredSpec
 
 MAX_N = 64
 MAX_STOP = 16
@@ -75,6 +81,8 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM's extension
     min_tokens: int | None = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension
+    response_format: dict | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict | None = None  # vLLM's extension: {"json" | "regex" | "choice" | "grammar": ...}
     # accepted and ignored: they change nothing here
     user: str | None = None
     store: bool | None = None
@@ -97,6 +105,16 @@ class _Sampling(_Strict):
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         self.bias()
         self.stop_list()
+        self.structured_spec()
+
+    def structured_spec(self) -> StructuredSpec | None:
+        """What the output must match, from ``response_format`` or ``structured_outputs`` (at most
+        one of them); None for free text."""
+        spec = _response_format(self.response_format)
+        extension = _structured_outputs(self.structured_outputs)
+        if spec is not None and extension is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        return spec or extension
 
     def bias(self) -> dict[int, float]:
         """logit_bias with its keys as token ids (OpenAI sends them as strings)."""
@@ -119,6 +137,67 @@ class _Sampling(_Strict):
     def speculation_cap(self) -> int | None:
         """The request's cap on draft tokens a step, or None for the server's."""
         return self.speculative.num_speculative_tokens if self.speculative is not None else None
+
+
+def _response_format(rf: dict | None) -> StructuredSpec | None:
+    """OpenAI's response_format: text, json_object, or json_schema with {"name", "schema", "strict"}."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    extra = set(rf) - {"type", "json_schema"}
+    if extra:
+        raise APIError(400, f"response_format: unrecognized key(s) {', '.join(sorted(extra))}", param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec.json_object()
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js and "json_schema" not in js:
+            raise APIError(400, 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                           param="response_format.json_schema")
+        if not isinstance(js.get("name", ""), str):
+            raise APIError(400, "response_format.json_schema.name must be a string", param="response_format.json_schema.name")
+        return StructuredSpec.json_schema(js.get("schema", js.get("json_schema")), "response_format.json_schema.schema")
+    raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format.type")
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(so: dict | None) -> StructuredSpec | None:
+    """vLLM's structured_outputs: exactly one of json (a schema, or its JSON text), regex, choice,
+    grammar (EBNF, llama.cpp's GBNF or Lark) or json_object: true."""
+    if so is None:
+        return None
+    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    unknown = set(given) - set(_STRUCTURED_KEYS) - {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+    if unknown:
+        raise APIError(400, f"structured_outputs: unrecognized key(s) {', '.join(sorted(unknown))}; "
+                       f"valid: {', '.join(_STRUCTURED_KEYS)}", param="structured_outputs")
+    kinds = [k for k in _STRUCTURED_KEYS if k in given]
+    if len(kinds) != 1:
+        raise APIError(400, f"structured_outputs takes exactly one of {', '.join(_STRUCTURED_KEYS)}, got "
+                       f"{', '.join(kinds) or 'none'}", param="structured_outputs")
+    kind, value = kinds[0], given[kinds[0]]
+    param = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return StructuredSpec.json_object(param)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"{param}: not valid JSON: {e}", param=param) from None
+        return StructuredSpec.json_schema(value, param)
+    if kind == "choice":
+        if not isinstance(value, list):
+            raise APIError(400, f"{param} must be a list of strings", param=param)
+        return StructuredSpec.choice(value, param)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{param} must be a non-empty string", param=param)
+    return StructuredSpec(kind, value, param)
 
 
 class CompletionRequest(_Sampling):
@@ -170,6 +249,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (OpenAI's format)
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -178,6 +258,10 @@ class ChatMessage(_Strict):
         d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
         return d
 
 
@@ -186,21 +270,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # checked by server/tools.py
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     def check(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported by quickdraft", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice is not supported by quickdraft", param="tool_choice")
-        if self.response_format and self.response_format.get("type") not in ("text", None):
-            raise APIError(400, "response_format other than text is not supported by quickdraft",
-                           param="response_format")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 MSG = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 # (id, path, body (dict, or raw bytes), headers override, status, message fragment, param)
 CASES = [
@@ -52,8 +53,29 @@ CASES = [
      "'system', 'developer', 'user', 'assistant' or 'tool'", "messages.0.role"),
     ("chat-content-type", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, None, 400,
      "content must be a string", "messages.0.content"),
-    ("chat-tools-declined", CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, None, 400,
-     "tools are not supported", "tools"),
+    ("chat-tool-malformed", CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, None, 400,
+     'each tool must be {"type": "function"', "tools.0"),
+    ("tool-choice-unknown-name", CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL], "tool_choice":
+     {"type": "function", "function": {"name": "nope"}}}, None, 400, "names the function 'nope'", "tool_choice"),
+    ("tool-choice-required-without-tools", CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required"}, None,
+     400, "needs tools", "tool_choice"),
+    ("response-format-unknown-type", CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "xml"}}, None,
+     400, "response_format type must be", "response_format.type"),
+    ("json-schema-missing", CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema"}}, None,
+     400, "needs", "response_format.json_schema"),
+    ("json-schema-does-not-compile", CHAT, {"model": MODEL, "messages": MSG, "response_format": {
+     "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+     None, 400, "does not compile", "response_format.json_schema.schema"),
+    ("bad-regex", C, {**OK, "structured_outputs": {"regex": "(ab"}}, None, 400, "does not compile",
+     "structured_outputs.regex"),
+    ("bad-grammar", C, {**OK, "structured_outputs": {"grammar": "root ::= ("}}, None, 400, "does not compile",
+     "structured_outputs.grammar"),
+    ("two-structured-kinds", C, {**OK, "structured_outputs": {"regex": "a", "choice": ["a"]}}, None, 400,
+     "exactly one of", "structured_outputs"),
+    ("format-and-extension", C, {**OK, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     None, 400, "not both", "structured_outputs"),
+    ("tool-choice-and-format", CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOL], "tool_choice": "required",
+     "response_format": {"type": "json_object"}}, None, 400, "cannot be combined", "tool_choice"),
     ("unknown-model", C, {**OK, "model": "gpt-5"}, None, 404, "the model 'gpt-5' does not exist", "model"),
     ("unknown-route", "/v1/embeddings", {**OK}, None, 404, "Not Found", None),
     ("no-api-key", C, OK, {}, 401, "missing API key", None),

@@ -19,6 +19,7 @@ import torch
 
 from quickdraft.proposers.draft_model import sample_draft, to_vocab
 from quickdraft.sampling import BatchSampling, SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
+from quickdraft.structured import apply_masks
 from quickdraft.verify import rejection, verify
 
 V, K, N = 8, 3, 200_000
@@ -208,4 +209,71 @@ def test_truncated_draft_with_untruncated_q_is_detected():
     params = TRUNCATED["truncated draft vocabulary"]
     tokens = first_two_tokens(params, False, seed=50, n=N // 4, subset=SUBSET, full_q=True)
     p_first, p_joint = pvalues(tokens, params)
+    assert min(p_first, p_joint) < ALPHA, (p_first, p_joint)
+
+
+# Structured outputs (quickdraft/structured.py): a grammar's mask depends on the position and the
+# token before it, like the chains. The draft samples from its unmasked q, is cut before its first
+# token the mask rejects, and every target row is masked with the grammar's state after the drafts
+# before that row (structured.apply_masks, the runner's own function). What comes out must follow
+# the masked target.
+GRAMMAR = torch.rand(K + 2, V, V, generator=torch.Generator().manual_seed(3)) < 0.55  # [position, before, token]
+GRAMMAR[..., 4] = True  # every state allows something
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    apply_masks(out, allowed, ())
+    return out
+
+
+def grammar_step(pos: int, prev: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+                 advance: bool = True) -> list[list[int]]:
+    """One verify step with a grammar; ``advance=False`` is the bug of masking every row with the
+    state before the draft (a matcher that was not advanced over the draft tokens)."""
+    n = prev.shape[0]
+    ctx, draft, rows, ok = prev, [], [], torch.ones(n, dtype=torch.bool)
+    keep = []
+    for j in range(K):
+        rows.append(masked(TARGET[pos + j][ctx], GRAMMAR[pos + (j if advance else 0)][ctx if advance else prev]))
+        nxt = sample_from_probs(shaped(DRAFT[pos + j][ctx], params), draw_uniforms(gen, n))  # unmasked q
+        ok = ok & GRAMMAR[pos + j][ctx, nxt]  # cut before the first token the grammar rejects
+        keep.append(ok)
+        draft.append(nxt)
+        ctx = torch.where(ok, nxt, ctx)
+    rows.append(masked(TARGET[pos + K][ctx], GRAMMAR[pos + (K if advance else 0)][ctx if advance else prev]))
+    keep = torch.stack(keep, 1)  # [n, K]
+    num = keep.sum(1)  # [n]
+    row_keep = torch.cat([torch.ones(n, 1, dtype=torch.bool), keep], 1)  # [n, K + 1]
+    out = verify(
+        torch.stack(draft, 1)[keep], num.tolist(), torch.stack(rows, 1)[row_keep], None,
+        BatchSampling.from_params([params]).select(torch.zeros(n, dtype=torch.int64)),
+        draw_uniforms(gen, int(num.sum()) + n),
+    )
+    return out.token_ids
+
+
+def grammar_pvalues(params: SamplingParams, seed: int, n: int, advance: bool = True) -> tuple[float, float]:
+    gen = torch.Generator().manual_seed(seed)
+    step1 = grammar_step(0, torch.zeros(n, dtype=torch.int64), params, gen, advance)
+    first = torch.tensor([t[0] for t in step1])
+    second = torch.tensor([t[1] if len(t) > 1 else -1 for t in step1])
+    again = (second < 0).nonzero().squeeze(1)
+    second[again] = torch.tensor([t[0] for t in grammar_step(1, first[again], params, gen, advance)], dtype=torch.int64)
+    p0 = shaped(masked(TARGET[0][:1], GRAMMAR[0][:1]), params)[0]  # [V]
+    p1 = shaped(masked(TARGET[1], GRAMMAR[1]), params)  # [V, V]
+    joint = (p0.double().unsqueeze(1) * p1.double()).reshape(V * V)
+    return (chi_square_pvalue(torch.bincount(first, minlength=V), p0),
+            chi_square_pvalue(torch.bincount(first * V + second, minlength=V * V), joint))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)],
+                         ids=["plain", "shaped"])
+def test_grammar_masked_target_is_followed(params):
+    p_first, p_joint = grammar_pvalues(params, seed=60, n=N // 2)
+    assert p_first > ALPHA and p_joint > ALPHA, (p_first, p_joint)
+
+
+def test_grammar_not_advanced_over_drafts_is_detected():
+    p_first, p_joint = grammar_pvalues(SamplingParams(temperature=1.0), seed=70, n=N // 4, advance=False)
     assert min(p_first, p_joint) < ALPHA, (p_first, p_joint)
