@@ -269,4 +269,5 @@ def _grammar_drafts(seqs: list[Sequence], proposal: DraftProposal, forced: list[
         parts = [probs[r.to(probs.device)] if r is not None else
                  torch.nn.functional.one_hot(torch.tensor(d), vocab).to(probs) for d, r in zip(drafts, rows)]
         probs = torch.cat(parts) if parts else probs
-    return DraftProposal(flat, [len(d) for d in drafts], probs)
+    # trees stay trees: grammar sequences draft chains only (proposers/base.accepts_trees)
+    return DraftProposal(flat, [len(d) for d in drafts], probs, proposal.parents)

@@ -76,8 +76,8 @@ class Proposer(Protocol):
 
 def accepts_trees(params) -> bool:
     """Whether a request's drafts may form a token tree: the runner shapes logits (penalties,
-    biases) and reads logprobs along chains only, so such requests draft chains."""
-    return params.logprobs is None and not shapes_logits(params)
+    biases, a grammar's masks) and reads logprobs along chains only, so such requests draft chains."""
+    return params.logprobs is None and params.structured is None and not shapes_logits(params)
 
 
 REGISTRY: dict[str, type] = {}
