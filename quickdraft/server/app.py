@@ -362,12 +362,15 @@ class _Api:
             if reply.chat:
                 for i in range(len(group.request_ids)):
                     yield sse(reply.chunk(i, "", None, include_usage, role=True))
-            item = first
+            item, echoed = first, set()
             while True:
                 index, out = item
                 if _failed(out):
                     yield sse(reply.failure_body(out))
                     return
+                if reply.echo and index not in echoed:  # the prompt first, as the whole reply's text starts
+                    echoed.add(index)
+                    yield sse(reply.echo_chunk(out, index, include_usage))
                 visible, calls = reply.split_calls(out)
                 # with tools, the text up to a call is content; from <tool_call> on it is held back
                 delta = texts[index].delta(visible, out.finished or visible != out.text)
@@ -477,18 +480,29 @@ class _Reply:
         k = self.settings.num_speculative_tokens
         return k if self.speculation_cap is None else min(k, self.speculation_cap)
 
-    def echo_logprobs(self, out: RequestOutput, index: int) -> dict | None:
-        """The completions API's logprobs over the prompt's tokens, then the output's."""
-        if out.logprobs is None or out.prompt_logprobs is None:
+    def prompt_logprobs(self, out: RequestOutput, index: int) -> dict | None:
+        """The completions API's logprobs over the prompt's tokens (the first has none); the
+        choice's text offsets go on after them."""
+        if out.prompt_logprobs is None:
             return None
         first = self._token(out.prompt_token_ids[0])[0]
         self._offsets[index] = len(first)
         prompt = self.logprobs([t for t in out.prompt_logprobs if t is not None], index)
-        body = self.logprobs(out.logprobs, index)
-        return {"tokens": [first] + prompt["tokens"] + body["tokens"],
-                "token_logprobs": [None] + prompt["token_logprobs"] + body["token_logprobs"],
-                "top_logprobs": [None] + prompt["top_logprobs"] + body["top_logprobs"],
-                "text_offset": [0] + prompt["text_offset"] + body["text_offset"]}
+        return {"tokens": [first] + prompt["tokens"], "token_logprobs": [None] + prompt["token_logprobs"],
+                "top_logprobs": [None] + prompt["top_logprobs"], "text_offset": [0] + prompt["text_offset"]}
+
+    def echo_logprobs(self, out: RequestOutput, index: int) -> dict | None:
+        """The completions API's logprobs over the prompt's tokens, then the output's."""
+        if out.logprobs is None or out.prompt_logprobs is None:
+            return None
+        head, body = self.prompt_logprobs(out, index), self.logprobs(out.logprobs, index)
+        return {key: head[key] + body[key] for key in head}
+
+    def echo_chunk(self, out: RequestOutput, index: int, include_usage: bool) -> dict:
+        """A streamed completion's first chunk with echo: the prompt's text and its logprobs."""
+        body = self.chunk(index, self.tokenizer.decode(out.prompt_token_ids), None, include_usage)
+        body["choices"][0]["logprobs"] = self.prompt_logprobs(out, index) if out.logprobs is not None else None
+        return body
 
     def usage(self, outs: list[RequestOutput]) -> dict:
         spec = SpecStats()

@@ -209,8 +209,6 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo and self.stream:
-            raise APIError(400, "echo is not supported with stream: true by quickdraft", param="echo")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError(400, "best_of is not supported by quickdraft (only best_of == n)", param="best_of")
         if self.suffix:

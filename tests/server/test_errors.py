@@ -37,8 +37,6 @@ CASES = [
     ("prompt-too-long", C, {**OK, "prompt": [17] * (MAX_MODEL_LEN + 5)}, None, 400, "the context holds", "prompt"),
     ("too-many-stops", C, {**OK, "stop": [str(i) for i in range(17)]}, None, 400, "at most 16", "stop"),
     ("logprobs-range", C, {**OK, "logprobs": 21}, None, 400, "less than or equal to 20", "logprobs"),
-    ("echo-stream-declined", C, {**OK, "echo": True, "stream": True}, None, 400, "echo is not supported with stream",
-     "echo"),
     ("top-logprobs-alone", CHAT, {"model": MODEL, "messages": MSG, "top_logprobs": 2}, None, 400,
      "top_logprobs needs logprobs: true", "top_logprobs"),
     ("penalty-range", C, {**OK, "presence_penalty": 2.5}, None, 400, "less than or equal to 2", "presence_penalty"),

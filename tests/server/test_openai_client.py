@@ -187,6 +187,22 @@ def test_echo_gives_the_prompts_logprobs(client, plain_client):
     assert lp.token_logprobs[paris] == head.choices[0].logprobs.token_logprobs[0]
 
 
+def test_echo_streams_the_prompt_first(client):
+    """With stream, echo sends each choice's prompt (and its logprobs) as its first chunk; the
+    chunks together are the unstreamed reply, text and logprobs alike."""
+    kw = dict(model=MODEL, prompt="The capital of France is Paris. The capital of Italy is", max_tokens=6,
+              temperature=0, logprobs=1, echo=True)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].text == kw["prompt"]
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    lps = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert tokens == whole.choices[0].logprobs.tokens and lps == whole.choices[0].logprobs.token_logprobs
+    offsets = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
+
+
 def test_tokenizer_routes_and_an_lm_eval_loglikelihood_request(ngram_server):
     """vLLM's /tokenizer_info, /tokenize and /detokenize (lm-evaluation-harness's remote tokenizer),
     and the body its log-likelihood requests send (token ids, echo, logprobs=1, max_tokens=1),
