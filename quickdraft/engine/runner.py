@@ -196,7 +196,7 @@ class Runner:
                       uniforms: torch.Tensor) -> VerifyOutput:
         """Each sequence's drafts as a tree (a chain is the tree of one branch; verify/tree.py
         gives it the chain verifier's draws), then the accepted path's keys and values moved into
-        place. The proposer makes trees only for requests without logit shaping or logprobs."""
+        place. Proposers make trees only where proposers/base.accepts_trees allows (no shaping, grammar or logprobs)."""
         logits = self._shaped(seqs, proposal, logits)  # the chains' rows, where a request shapes them
         token_ids, accepted, row, at = [], [], 0, 0
         for i, (s, k) in enumerate(zip(seqs, proposal.num_tokens)):

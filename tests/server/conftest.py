@@ -4,8 +4,9 @@ seconds: the weights come from the conversion cache) and is terminated at the en
 
 from __future__ import annotations
 
+import openai
 import pytest
-from qd_server import ServerProcess
+from qd_server import API_KEY, ServerProcess
 
 
 def _serve(request, *extra, **kw) -> ServerProcess:
@@ -39,3 +40,20 @@ def adaptive_server(request, smollm2_path) -> ServerProcess:
 def small_server(request, smollm2_path) -> ServerProcess:
     """One slot and a queue of one: for queue-full, disconnect and draining tests."""
     return _serve(request, "--max-num-seqs", "1", "--max-queue", "1", log_name="small")
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(ngram_server):
+    """The real openai client against a speculating (ngram) server."""
+    return _client(ngram_server)
+
+
+@pytest.fixture(scope="module")
+def plain_client(plain_server):
+    """The same model served without speculation: what a speculating server must answer too."""
+    return _client(plain_server)
+

@@ -16,17 +16,6 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def client(ngram_server):
-    return openai.OpenAI(base_url=ngram_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def plain_client(plain_server):
-    """The same model served without speculation: what a speculating server must answer too."""
-    return openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def aclient_url(ngram_server):
     return ngram_server.url + "/v1"
 

@@ -33,16 +33,6 @@ ADD = {"type": "function", "function": {
                    "required": ["a", "b"]}}}
 
 
-@pytest.fixture(scope="module")
-def client(ngram_server):
-    return openai.OpenAI(base_url=ngram_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def plain_client(plain_server):
-    return openai.OpenAI(base_url=plain_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
 def _spec(usage) -> dict:
     return usage.model_extra["speculative"]
 
