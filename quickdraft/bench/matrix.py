@@ -33,7 +33,7 @@ STREAM_BYTES = 256 << 20
 def _copies(w, nbytes: int) -> list:
     n = max(2, STREAM_BYTES // nbytes)
     if isinstance(w, BlockWeight):
-        made = {str(i): BlockWeight(w.ggml_type, w.data.clone(), w.in_features) for i in range(n)}
+        made = {str(i): BlockWeight(w.ggml_type, w.data.clone(), w.in_features, w.out_features) for i in range(n)}
     else:
         made = {str(i): w.clone() for i in range(n)}
     return list(into_huge_pages(made).values())

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, fused_layer, invariance, rowwise, tree_attention
-from quickdraft.models.ggml import BlockWeight, on_blocks
+from quickdraft.models.ggml import LANES, BlockWeight, on_blocks
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
 
@@ -209,8 +209,8 @@ class Decoder:
     def _fused_layers(self):
         """Per layer, the weights, formats and biases kernels/layer.cpp takes, where it runs: on a
         CPU with the kernels, head sizes the chain attention takes, and every projection either
-        GGUF blocks or dense in the activations' dtype (the int8 draft format keeps the Python
-        path). None elsewhere."""
+        GGUF blocks of whole tiles (rows a multiple of 16, as in every model) or dense in the
+        activations' dtype (the int8 draft format keeps the Python path). None elsewhere."""
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return None
         if fused_layer() is None or self.config.head_dim not in CHAIN_HEAD_DIMS:
@@ -221,7 +221,7 @@ class Decoder:
             kinds = []
             for name in self._PROJECTIONS:
                 w = self.w[p + name + ".weight"]
-                if isinstance(w, BlockWeight):
+                if isinstance(w, BlockWeight) and w.out_features % LANES == 0:  # no padded rows to drop
                     kinds.append(w.format.kind)
                 elif isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.is_contiguous():
                     kinds.append(-1)  # layer.cpp's DENSE

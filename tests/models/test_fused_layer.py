@@ -127,6 +127,6 @@ def test_many_weights_in_one_call_are_one_call_each(rows):
     many = block_linear().linear_blocks_many(x, [w.data for w in ws], ws[0].format.kind, 512, biases)
     for w, b, y in zip(ws, biases, many):
         assert torch.equal(y, w.linear(x, b))
-    with pytest.raises(RuntimeError, match="bytes a row"):  # one format and one K, or a clear error
+    with pytest.raises(RuntimeError, match="bytes a tile"):  # one format and one K, or a clear error
         block_linear().linear_blocks_many(x, [ws[0].data, random_block_weight("Q4_K", (8, 256), rng).data],
                                                 ws[0].format.kind, 512, [None, None])
