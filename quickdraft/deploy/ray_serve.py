@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import shlex
 import signal
 import threading
 
@@ -128,28 +127,11 @@ def build_application(args: argparse.Namespace):
 
 
 def parse_builder_args(args: dict) -> argparse.Namespace:
-    """``serve run ...:app_builder model=X max_num_seqs=4 ray=...``: the keys are ``quickdraft
-    serve``'s flags without their dashes (``_`` or ``-`` alike); a switch takes true or false;
-    ``served_model_name`` takes names separated by spaces. Parsed by ``quickdraft serve``'s own
-    parser, so that defaults and checks are the same."""
-    from quickdraft.cli import build_parser
+    """``serve run ...:app_builder model=X max_num_seqs=4 ...``: the keys are ``quickdraft
+    serve``'s flags without their dashes (``server/cli.py``'s ``args_from_dict``)."""
+    from quickdraft.server.cli import args_from_dict
 
-    argv = ["serve"]
-    for key, value in args.items():
-        flag = "--" + str(key).strip("-").replace("_", "-")
-        text = str(value)
-        if isinstance(value, bool) or text.lower() in ("true", "false"):
-            if text.lower() == "true":
-                argv.append(flag)
-            continue
-        if flag == "--served-model-name":
-            argv += [flag, *shlex.split(text)]
-        else:
-            argv += [flag, text]
-    try:
-        return build_parser().parse_args(argv)
-    except SystemExit:  # argparse has printed what is wrong
-        raise ConfigError(f"bad quickdraft serve arguments for Ray Serve: {argv[1:]}") from None
+    return args_from_dict(args, "the Ray Serve application's args")
 
 
 def app_builder(args: dict):

@@ -73,14 +73,14 @@ def _json_sets_threshold(raw) -> bool:
         return False
 
 
-def build(args, own_thread: bool):
-    """The engine, its async bridge and the app, from ``quickdraft serve``'s flags; ``own_thread``:
-    the engine loop runs in a thread of its own (a Ray Serve replica) rather than on the caller's
-    (``quickdraft serve``, see async_engine.py). Returns (AsyncEngine, ServerSettings, FastAPI)."""
+def build_engine(args, own_thread: bool):
+    """The engine and its async bridge from ``quickdraft serve``'s flags; ``own_thread``: the
+    engine loop runs in a thread of its own (a Ray Serve replica, a Triton model) rather than on
+    the caller's (``quickdraft serve``, see async_engine.py). Returns (AsyncEngine, ServerSettings)."""
     from quickdraft.config import EngineConfig
     from quickdraft.engine.engine import Engine
     from quickdraft.errors import ConfigError
-    from quickdraft.server.app import ServerSettings, build_app
+    from quickdraft.server.app import ServerSettings
     from quickdraft.server.async_engine import AsyncEngine
     from quickdraft.server.metrics import ServerMetrics
 
@@ -95,8 +95,40 @@ def build(args, own_thread: bool):
     k = spec.num_speculative_tokens if spec.enabled else 0
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY"),
                               spec_method=spec.method, num_speculative_tokens=k)
-    async_engine = AsyncEngine(engine, ServerMetrics(names[0], k), own_thread=own_thread)
+    return AsyncEngine(engine, ServerMetrics(names[0], k), own_thread=own_thread), settings
+
+
+def build(args, own_thread: bool):
+    """``build_engine``'s pair and the OpenAI app over them: (AsyncEngine, ServerSettings, FastAPI)."""
+    from quickdraft.server.app import build_app
+
+    async_engine, settings = build_engine(args, own_thread)
     return async_engine, settings, build_app(async_engine, settings)
+
+
+def args_from_dict(values: dict, context: str) -> argparse.Namespace:
+    """``quickdraft serve``'s flags from a dict whose keys are the flags without their dashes
+    (``_`` or ``-`` alike): a switch takes true or false, ``served_model_name`` names separated by
+    spaces. Parsed by ``quickdraft serve``'s own parser, so that defaults and checks are the same;
+    ``context`` says where the dict came from in the error."""
+    import shlex
+
+    from quickdraft.cli import build_parser
+    from quickdraft.errors import ConfigError
+
+    argv = ["serve"]
+    for key, value in values.items():
+        flag = "--" + str(key).strip("-").replace("_", "-")
+        text = str(value)
+        if isinstance(value, bool) or text.lower() in ("true", "false"):
+            if text.lower() == "true":
+                argv.append(flag)
+            continue
+        argv += [flag, *shlex.split(text)] if flag == "--served-model-name" else [flag, text]
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit:  # argparse has printed what is wrong
+        raise ConfigError(f"bad quickdraft serve arguments in {context}: {argv[1:]}") from None
 
 
 def serve(args) -> int:

@@ -90,7 +90,7 @@ def test_serve_run_builder_args_are_the_serve_flags():
                                "served_model_name": "a b", "speculative_config": '{"method": "ngram"}'})
     assert (args.model, args.max_num_seqs, args.num_replicas, args.no_access_log) == (MODEL, 4, 2, True)
     assert args.served_model_name == ["a", "b"] and args.speculative_config == '{"method": "ngram"}'
-    with pytest.raises(ConfigError, match="bad quickdraft serve arguments"):
+    with pytest.raises(ConfigError, match="bad quickdraft serve arguments in the Ray Serve"):
         parse_builder_args({"max_num_seqs": "many"})
 
 
