@@ -65,6 +65,13 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    help="GPUs for each replica (default: 1 with --device cuda*, else 0)")
 
 
+def ray_only_flags(args: argparse.Namespace) -> list[str]:
+    """The Ray flags given a value other than their default (a mistake without --ray)."""
+    defaults = {"ray_address": None, "num_replicas": None, "min_replicas": None, "max_replicas": None,
+                "target_ongoing_requests": None, "replica_cpus": 1.0, "replica_gpus": None}
+    return ["--" + k.replace("_", "-") for k, v in defaults.items() if getattr(args, k) != v]
+
+
 def deployment_options(args: argparse.Namespace) -> dict:
     """Ray Serve's deployment options from ``quickdraft serve``'s flags (see the module's table).
     Raises ConfigError for flags that contradict each other."""

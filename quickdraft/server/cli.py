@@ -138,6 +138,12 @@ def serve(args) -> int:
         from quickdraft.deploy.ray_serve import serve_on_ray
 
         return serve_on_ray(args)
+    from quickdraft.deploy.ray_serve import ray_only_flags
+
+    if ray_only_flags(args):
+        from quickdraft.errors import ConfigError
+
+        raise ConfigError(f"{', '.join(ray_only_flags(args))} place Ray Serve replicas: add --ray", "ray")
     async_engine, settings, app = build(args, own_thread=False)
     engine, spec, names = async_engine.engine, async_engine.engine.config.speculative, settings.served_model_names
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

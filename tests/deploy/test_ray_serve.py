@@ -85,6 +85,13 @@ def test_contradictory_flags_are_a_clear_error(argv, param):
     assert e.value.param == param
 
 
+def test_ray_flags_without_ray_are_a_clear_error(capsys):
+    from quickdraft.cli import main
+
+    assert main(["serve", "--num-replicas", "2", "--replica-cpus", "2"]) == 2  # before any model loads
+    assert "--num-replicas, --replica-cpus place Ray Serve replicas: add --ray" in capsys.readouterr().err
+
+
 def test_serve_run_builder_args_are_the_serve_flags():
     args = parse_builder_args({"model": MODEL, "max_num_seqs": "4", "num-replicas": "2", "no_access_log": "true",
                                "served_model_name": "a b", "speculative_config": '{"method": "ngram"}'})
