@@ -40,8 +40,9 @@ log = logging.getLogger("quickdraft.deploy")
 
 APP_NAME = "quickdraft"
 DEPLOYMENT_NAME = "quickdraft"
-# A local cluster that --ray starts itself (no --ray-address): the object store only carries
-# request and response bodies, so it is kept small (Ray's default is 30% of the machine's memory).
+# A new local cluster (--ray-address local): the object store only carries request and response
+# bodies, so it is kept small (Ray's default is 30% of the machine's memory). A cluster joined
+# (or one ray.init starts when none runs here) keeps its own setting.
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 
 
@@ -198,8 +199,9 @@ def watch_replicas(stop: threading.Event, period_s: float = 1.0) -> None:
             dep = app.deployments.get(DEPLOYMENT_NAME) if app else None
             states = dict(sorted((str(getattr(k, "value", k)), v) for k, v in dep.replica_states.items())) if dep else {}
         except Exception as e:  # the controller restarting: say so and look again
-            states = {"unknown": 0, "error": str(e)}
-        if states != last:
+            log.warning("replicas: unknown (%s: %s)", type(e).__name__, e)
+            states = None
+        if states is not None and states != last:
             log.info("replicas: %s", ", ".join(f"{n} {s}" for s, n in states.items() if n) or "none")
             last = states
         stop.wait(period_s)
