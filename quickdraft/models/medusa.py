@@ -52,22 +52,27 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_ids", draft_ids.long().clone(), persistent=False)
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """hidden [n, H] -> logits [n, heads, N] float32 of the first ``num_heads`` heads."""
+        """hidden [..., H] -> logits [..., heads, N] float32 of the first ``num_heads`` heads."""
         out = []
         for block, lm in list(zip(self.blocks, self.lm_heads))[: num_heads or self.config.num_heads]:
             x = hidden
             for layer in block:
                 x = x + F.silu(layer(x))
             out.append(lm(x).float())
-        return torch.stack(out, dim=1)
+        return torch.stack(out, dim=-2)
 
-    def state(self) -> dict[str, torch.Tensor]:
+    def named(self) -> dict[str, nn.Parameter]:
+        """The parameters by their names in vLLM's layout."""
         w = {}
         for k, block in enumerate(self.blocks):
             for j, layer in enumerate(block):
-                w[f"blocks.{k}.layers.{j}.weight"] = layer.weight.detach().contiguous()
-                w[f"blocks.{k}.layers.{j}.bias"] = layer.bias.detach().contiguous()
-            w[f"lm_heads.{k}.weight"] = self.lm_heads[k].weight.detach().contiguous()
+                w[f"blocks.{k}.layers.{j}.weight"] = layer.weight
+                w[f"blocks.{k}.layers.{j}.bias"] = layer.bias
+            w[f"lm_heads.{k}.weight"] = self.lm_heads[k].weight
+        return w
+
+    def state(self) -> dict[str, torch.Tensor]:
+        w = {k: v.detach().contiguous() for k, v in self.named().items()}
         if self.config.draft_vocab_size < self.config.vocab_size:
             w["token_map"] = self.draft_ids.cpu()
         return w
@@ -125,12 +130,12 @@ def load(path: str | Path) -> MedusaHeads:
     heads = MedusaHeads(config, ids)
     if doc.get("original_lm_head") and "lm_heads.0.weight" in w:  # one head shared by all
         w.update({f"lm_heads.{k}.weight": w["lm_heads.0.weight"] for k in range(config.num_heads)})
-    own = heads.state()
+    own = heads.named()
     missing = [k for k in own if k not in w]
     if missing:
         raise ConfigError(f"the Medusa heads at {path} lack {missing[:3]}")
     with torch.no_grad():
-        for name, p in heads.named_parameters():
+        for name, p in own.items():
             if tuple(w[name].shape) != tuple(p.shape):
                 raise ConfigError(f"the Medusa heads' {name} has shape {tuple(w[name].shape)}, the config says {tuple(p.shape)}")
             p.copy_(w[name])
