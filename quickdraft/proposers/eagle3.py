@@ -38,6 +38,7 @@ class Eagle3Proposer:
         self.values = torch.zeros_like(self.keys)
         self._cached = [0] * num_slots
         self._features: list[torch.Tensor | None] = [None] * num_slots  # [m, layers * H] float32
+        self._lost = [False] * num_slots  # the target's states skipped rows the head needed
 
     @classmethod
     def from_config(cls, spec, ctx) -> "Eagle3Proposer":
@@ -54,12 +55,17 @@ class Eagle3Proposer:
             if rows is None or rows.shape[0] == 0:
                 continue
             waiting = self._features[s.slot]
+            have = self._cached[s.slot] + (0 if waiting is None else waiting.shape[0])
+            if s.num_cached != have:  # rows the head never saw (a prefix served from a cache): it
+                self._lost[s.slot] = True  # cannot build its context, so this sequence drafts nothing
+                continue
             rows = rows.float()
             self._features[s.slot] = rows if waiting is None else torch.cat([waiting, rows])
 
     @torch.inference_mode()
     def propose(self, seqs, num_tokens) -> DraftProposal:
-        active = [i for i, k in enumerate(num_tokens) if k > 0 and self._features[seqs[i].slot] is not None]
+        active = [i for i, k in enumerate(num_tokens)
+                  if k > 0 and self._features[seqs[i].slot] is not None and not self._lost[seqs[i].slot]]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         sampled = any(not seqs[i].params.greedy for i in active)
@@ -135,6 +141,7 @@ class Eagle3Proposer:
     def release(self, seq) -> None:
         self._cached[seq.slot] = 0
         self._features[seq.slot] = None
+        self._lost[seq.slot] = False
 
     def close(self) -> None:
         pass

@@ -165,3 +165,17 @@ def test_a_missing_head_prints_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
     with pytest.raises(ConfigError, match="quickdraft train eagle3 --model tiny-qwen2"):
         run({"method": "eagle3", "num_speculative_tokens": 2}, PROMPTS, [SamplingParams()])
+
+
+def test_rows_the_head_never_saw_stop_its_drafts(trained):
+    """States that start past what the head holds (a prefix served from a cache) cannot rebuild its
+    context: that sequence drafts nothing rather than drafting from misplaced features."""
+    from types import SimpleNamespace
+
+    proposer = Eagle3Proposer(trained[0], TARGET.weights, CONFIG.vocab_size, 2, 64)
+    params = SamplingParams(temperature=0)
+    late = SimpleNamespace(slot=0, num_cached=5, token_ids=list(range(12)), params=params)
+    fresh = SimpleNamespace(slot=1, num_cached=0, token_ids=list(range(9)), params=params)
+    aux = torch.zeros(8, 3 * CONFIG.hidden_size)
+    proposer.read_target([late, fresh], [None, None], [aux[:3], aux])
+    assert proposer.propose([late, fresh], [3, 3]).num_tokens == [0, 3]
