@@ -67,7 +67,7 @@ bench: $(VENV)/.qwen
 bench-quick: $(VENV)/.qwen
 	$(PY) -m quickdraft.cli bench --suite quick --out bench-out/quick
 
-# The Qwen 1.5B's EAGLE-3 head and Medusa heads, trained on this machine (README, "Trained heads"):
+# The Qwen 1.5B's EAGLE-3 head, Medusa heads and distilled 0.5B draft, trained on this machine (README, "Trained heads"):
 # 50k tokens of the installed packages' sources labelled by the target, then each head. Weights
 # go to $QUICKDRAFT_CACHE/heads/, never into the repository; rerun to resume after an interruption.
 # Not yet timed here (issue 10): the SmolLM2 run's rates suggest hours, not minutes.
@@ -76,6 +76,8 @@ TRAIN_ARGS := --model qwen2.5-coder-1.5b-instruct --max-tokens 50000 --seq-len 5
 train-heads: $(VENV)/.qwen
 	$(PY) -m quickdraft.cli train eagle3 $(TRAIN_ARGS)
 	$(PY) -m quickdraft.cli train medusa $(TRAIN_ARGS)
+	$(PY) -m quickdraft.cli train draft --model qwen2.5-coder-1.5b-instruct --max-tokens 50000 --seq-len 512 \
+		--draft qwen2.5-coder-0.5b-instruct --steps 300
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache

@@ -1,4 +1,5 @@
-"""``quickdraft train data | eagle3 | medusa``: training data from the target, then heads.
+"""``quickdraft train data | eagle3 | medusa | draft``: training data from the target, then heads
+(or a distilled draft model).
 
 Everything lands in the cache, never in the repository: the data in
 ``$QUICKDRAFT_CACHE/heads/<target>/data/``, the heads in ``.../<target>/eagle3/`` and
@@ -37,6 +38,16 @@ def register(sub) -> None:
         else:
             p.add_argument("--num-heads", type=int, default=4, help="K: heads, one a draft position")
         p.set_defaults(func=_train, method=method)
+    p = tsub.add_parser("draft", help="distill the draft model towards the target (KL on the target's data)")
+    _data_args(p)
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the draft model to fine-tune")
+    p.add_argument("--out", default=None, help="the tuned draft's directory (default: "
+                                               "$QUICKDRAFT_CACHE/heads/<target>/draft)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_draft)
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
@@ -104,4 +115,27 @@ def _train(args) -> int:
                       "seconds": round(time.perf_counter() - started, 1)}))
     print(f'use it: --speculative-config \'{{"method": "{args.method}", "num_speculative_tokens": 4}}\' '
           f"--model {args.model}", file=sys.stderr)
+    return 0
+
+
+def _draft(args) -> int:
+    import torch
+
+    from quickdraft.models.loader import load_model
+    from quickdraft.proposers.heads import default_dir
+    from quickdraft.train import data, draft
+
+    model = _load(args)
+    data_dir = _data_dir(args, model)
+    data.build(model, data_dir, args.texts, args.seq_len, args.max_tokens)
+    windows = data.load_windows(data_dir, model)
+    stock = load_model(args.draft, torch.float32, quantization="none")  # dense weights to train
+    out = Path(args.out).expanduser() if args.out else default_dir(model, "draft")
+    started = time.perf_counter()
+    _, losses = draft.train(model, stock, windows, out, args.steps, args.batch_size, args.lr, args.seed)
+    tail = losses[-50:]
+    print(json.dumps({"draft": str(out), "steps": len(losses), "kl_first": losses[0] if losses else None,
+                      "kl_last50": sum(tail) / max(len(tail), 1), "seconds": round(time.perf_counter() - started, 1)}))
+    print(f'use it: --speculative-config \'{{"method": "draft_model", "model": "{out}"}}\' --model {args.model}',
+          file=sys.stderr)
     return 0
