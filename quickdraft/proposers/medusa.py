@@ -14,8 +14,7 @@ import torch
 
 from quickdraft.models import medusa as head_file
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.draft_model import sample_draft, to_vocab
-from quickdraft.sampling import BatchSampling, draw_uniforms
+from quickdraft.proposers.heads import resolve_dir, sample_rows
 
 
 @register("medusa")
@@ -31,8 +30,6 @@ class MedusaProposer:
 
     @classmethod
     def from_config(cls, spec, ctx) -> "MedusaProposer":
-        from quickdraft.proposers.heads import resolve_dir
-
         if isinstance(spec.model, head_file.MedusaHeads):  # built in code (tests)
             heads, source = spec.model, "given"
         else:
@@ -59,14 +56,8 @@ class MedusaProposer:
         sampled = any(not seqs[i].params.greedy for i in active)
         rows = [(r, j) for r, i in enumerate(active) for j in range(min(num_tokens[i], k))]  # sequence-major
         flat = logits[[r for r, _ in rows], [j for _, j in rows]]  # [num_draft_tokens, N]
-        row_seqs = [seqs[active[r]] for r, _ in rows]
-        if sampled:
-            batch = BatchSampling.from_params([s.params for s in row_seqs], flat.device)
-            uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in row_seqs]).to(flat.device)
-            ids, q = sample_draft(flat, batch, uniforms)
-        else:
-            ids, q = flat.argmax(-1), None
-        ids, q = to_vocab(ids, q, self.head_ids, self.vocab_size)
+        # each row drawn with its sequence's generator, in order (a sequence's K draws in a row)
+        ids, q = sample_rows([seqs[active[r]] for r, _ in rows], flat, self.head_ids, self.vocab_size, sampled)
         for r, i in enumerate(active):
             counts[i] = min(num_tokens[i], k)
         return DraftProposal(ids.cpu().long(), counts, q)
