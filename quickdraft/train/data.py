@@ -77,6 +77,18 @@ def default_files() -> list[Path]:
     return files
 
 
+def _frozen_files(out: Path) -> list[Path]:
+    """The default corpus as this data directory first listed it (``files.json``): packages
+    installed after a run started must not change the text a resumed run labels."""
+    listing = out / "files.json"
+    try:
+        return [Path(f) for f in json.loads(listing.read_text())]
+    except (OSError, ValueError):
+        files = default_files()
+        listing.write_text(json.dumps([str(f) for f in files]))
+        return files
+
+
 def user_texts(path: str | Path) -> Iterator[str]:
     """A user's texts: JSONL (one object a line with "text", "prompt" or "messages"; a string) or
     plain text (the whole file)."""
@@ -161,9 +173,9 @@ def build(model, out_dir: str | Path, texts: str | None = None, seq_len: int = 5
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if texts is None:
-        files = default_files()
+        files = _frozen_files(out)
         source = f"installed packages' *.py and METADATA ({len(files)} files, benchmarks excluded)"
-        source_key = hashlib.sha256("\n".join(f"{f}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
+        source_key = hashlib.sha256("\n".join(map(str, files)).encode()).hexdigest()[:16]
         stream = _file_texts(files)
     else:
         source = str(Path(texts).expanduser().resolve())

@@ -47,6 +47,14 @@ def test_the_default_corpus_leaves_the_benchmarks_out():
     assert any(f.name == "METADATA" for f in files) and any(f.suffix == ".py" for f in files)
 
 
+def test_a_resumed_run_keeps_its_file_list(tmp_path):
+    """Packages installed after a run started must not change what a resumed run labels."""
+    first = data._frozen_files(tmp_path)
+    assert first == data.default_files()
+    (tmp_path / "files.json").write_text(json.dumps([str(f) for f in first[:3]]))
+    assert data._frozen_files(tmp_path) == first[:3]
+
+
 def _texts(tmp_path, n=5):
     path = tmp_path / "texts.jsonl"
     lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i} + the_thing({i})\n" * 3}) for i in range(n)]
