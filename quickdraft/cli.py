@@ -1,4 +1,4 @@
-"""``quickdraft generate | models | serve | bench | profile``: flags named like ``vllm serve``'s where they exist.
+"""``quickdraft generate | models | serve | bench | profile | check | train``: flags named like ``vllm serve``'s where they exist.
 
 A mistake of the user's (a QuickdraftError) prints one clear line and exits with code 2; only a
 bug shows a traceback.
@@ -19,7 +19,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a built-in name (see `quickdraft models`), a .gguf file or a Hugging Face directory")
     p.add_argument("--speculative-config", default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model, suffix')
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model, suffix, eagle3, medusa')
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
@@ -112,11 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     from quickdraft import check, profile
     from quickdraft.bench import cli as bench_cli
     from quickdraft.server import cli as server_cli
+    from quickdraft.train import cli as train_cli
 
     server_cli.register(sub)
     bench_cli.register(sub)
     profile.register(sub)
     check.register(sub)
+    train_cli.register(sub)
     return parser
 
 

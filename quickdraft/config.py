@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from quickdraft.errors import ConfigError
 
-METHODS = ("none", "ngram", "draft_model", "suffix")
+METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa")
 # Measured (README, "Truncated draft vocabulary"): on code, the Qwen pair's acceptance is the full
 # head's at 65536 and 32768 and drops at 16384; 65536 also holds 98% of the tokens of English docs
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
@@ -24,7 +24,9 @@ DEVICE_PATTERN = re.compile(r"(cpu|cuda|xpu|mps)(:\d+)?")  # torch's device name
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "none"
-    model: str | None = None  # the draft model (draft_model): a built-in name or a path
+    # draft_model: the draft model, a built-in name or a path; eagle3, medusa: the head's directory
+    # (speculators / vLLM Medusa layout), default the one `quickdraft train` writes for the target
+    model: str | None = None
     num_speculative_tokens: int = 4  # K: draft tokens proposed per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched
     prompt_lookup_min: int = 2  # ngram: shortest n-gram matched (1 proposes on any repeated token)

@@ -7,6 +7,8 @@ tested either way.
 
 from __future__ import annotations
 
+from quickdraft.config import METHODS
+
 NUM = {"type": "number"}
 NUM_OR_NULL = {"type": ["number", "null"]}
 INT = {"type": "integer", "minimum": 0}
@@ -19,7 +21,7 @@ def _obj(required: dict, optional: dict | None = None) -> dict:
     return {"type": "object", "required": sorted(required), "properties": {**required, **(optional or {})}}
 
 
-VARIANT = _obj({"name": STR, "method": {"enum": ["none", "ngram", "draft_model", "suffix"]}, "k": INT,
+VARIANT = _obj({"name": STR, "method": {"enum": list(METHODS)}, "k": INT,
                 "lookup_max": {"type": ["integer", "null"]}, "lookup_min": {"type": ["integer", "null"]},
                 "draft": {"type": ["string", "null"]}, "adaptive": {"type": "boolean"}},
                {"branches": INT})

@@ -80,6 +80,7 @@ class Runner:
     def __init__(self, target: Decoder, kv: KVCache, proposer: Proposer, target_cost: LinearCost | None = None):
         self.target, self.kv, self.proposer = target, kv, proposer
         self.target_cost = target_cost  # refitted with every pass's rows and seconds (scoring to commit)
+        self._states = None  # (hidden, aux, query_lens) of the last pass, for a proposer that reads them
 
     def step(self, seqs: list[Sequence], num_draft: list[int], forced_room: list[int] | None = None) -> list[StepResult]:
         """num_draft [batch]: the most draft tokens each sequence may take this step from the
@@ -105,6 +106,7 @@ class Runner:
                 None if proposal.probs is None else proposal.probs.to(logits.device),
                 BatchSampling.from_params([s.params for s in seqs], logits.device), uniforms,
             )
+        self._hand_states(seqs, proposal, outcome, ok)
         self.proposer.observe(seqs, outcome)
         results = self._commit(seqs, proposal, outcome, ok)
         for r, f in zip(results, forced):
@@ -138,11 +140,35 @@ class Runner:
             positions = torch.tensor([p for i, s in enumerate(seqs) for p in _tree_positions(
                 s.num_cached, s.num_pending, proposal.tree(i) or list(range(-1, proposal.num_tokens[i] - 1)))],
                 dtype=torch.long, device=device)
-        hidden = self.target.forward(tokens, positions, self.kv, meta)  # [num_tokens, hidden]
+        layers = getattr(self.proposer, "reads_target", None)  # a head that drafts from the target's states
+        if layers:  # hidden [num_tokens, hidden], aux [num_tokens, len(layers) * hidden]
+            hidden, aux = self.target.forward(tokens, positions, self.kv, meta, capture=tuple(layers))
+        else:
+            hidden, aux = self.target.forward(tokens, positions, self.kv, meta), None
+        # handed on by _hand_states after verification
+        self._states = None if layers is None else (hidden, aux, meta.query_lens)
         self._prompt_logprobs(seqs, chunks, hidden)
         ends = torch.tensor(meta.query_lens).cumsum(0)
         rows = torch.cat([torch.arange(e - k - 1, e) for e, k in zip(ends.tolist(), proposal.num_tokens)])
         return self.target.logits(hidden[rows.to(device)])
+
+    def _hand_states(self, seqs: list[Sequence], proposal: DraftProposal, outcome: VerifyOutput, ok) -> None:
+        """For a proposer that drafts from the target's states (``reads_target``; EAGLE-3, Medusa):
+        each sequence's rows that this step commits (its pending tokens and its accepted drafts,
+        positions num_cached.. in order), the final hidden state [rows, hidden] and the captured
+        layers' states [rows, layers * hidden] (None when it captures none). Chains only: such
+        proposers draft chains, and a tree's accepted path would not be contiguous rows."""
+        if self._states is None:
+            return
+        hidden, aux, query_lens = self._states
+        self._states = None
+        final, states, start = [], [], 0
+        for s, qlen, accepted, good in zip(seqs, query_lens, outcome.num_accepted, ok):
+            rows = s.num_pending + accepted if good else 0
+            final.append(hidden[start : start + rows])
+            states.append(None if aux is None else aux[start : start + rows])
+            start += qlen
+        self.proposer.read_target(seqs, final, states)
 
     def _prompt_logprobs(self, seqs: list[Sequence], chunks: list[list[int]], hidden: torch.Tensor) -> None:
         """On a prompt's pass, for the requests that asked: each prompt token's log-probability

@@ -183,7 +183,12 @@ class Decoder:
         kv: KVCache,
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first layers (self-speculation); None = all
-    ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
+        capture: tuple[int, ...] = (),  # layers whose entering states are returned too (EAGLE-3)
+    ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+        """-> hidden [num_tokens, hidden] after the final norm; with ``capture`` (layer indices
+        in 0..num_layers - 1) also the residual stream entering each of those layers,
+        concatenated in the order given: [num_tokens, len(capture) * hidden]. Capturing keeps a
+        reference to a tensor each layer makes anyway, so it costs one concatenation."""
         embed = self.w["model.embed_tokens.weight"]
         if isinstance(embed, BlockWeight):
             x = embed.dequantize(self.dtype, rows=tokens)  # [num_tokens, hidden]
@@ -191,12 +196,22 @@ class Decoder:
             x = embed[tokens]  # [num_tokens, hidden]
         fused = self._fused if self._fused is not None and max(meta.query_lens) <= MAX_ROW_BY_ROW else None
         trees = self._trees(meta) if fused is not None else None  # once a pass, not once a layer
+        states = {}
         for layer in range(num_layers if num_layers is not None else self.num_layers):
+            if layer in capture:
+                states[layer] = x
             if fused is not None:
                 x = self._fused_block(fused, layer, x, positions, kv, meta, trees)
             else:
                 x = self._block(layer, x, positions, kv, meta)
-        return rms_norm(x, self.w["model.norm.weight"], self.config.rms_norm_eps)
+        hidden = rms_norm(x, self.w["model.norm.weight"], self.config.rms_norm_eps)
+        if not capture:
+            return hidden
+        missing = [i for i in capture if i not in states]
+        if missing:
+            raise ValueError(f"cannot capture the states entering layers {missing}: the pass ran "
+                             f"{num_layers if num_layers is not None else self.num_layers} layers")
+        return hidden, torch.cat([states[i] for i in capture], dim=-1)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,11 @@ class Proposer(Protocol):
     def close(self) -> None:
         """The engine is shutting down: write what must outlive the process (suffix's cache)."""
 
+    # Optional, for proposers that draft from the target's own states (EAGLE-3, Medusa): a class
+    # attribute ``reads_target`` = the target layers whose entering states it needs (an empty
+    # tuple: the final hidden state only), and ``read_target(seqs, final, states)``, called after
+    # each verification, before ``observe``, with each sequence's committed rows (runner._hand_states).
+
 
 def accepts_trees(params) -> bool:
     """Whether a request's drafts may form a token tree: the runner shapes logits (penalties,
@@ -95,7 +100,7 @@ def register(name: str):
 
 def create_proposer(spec: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
     # Importing the modules fills REGISTRY; they only define classes.
-    from quickdraft.proposers import draft_model, ngram, none, suffix  # noqa: F401
+    from quickdraft.proposers import draft_model, eagle3, medusa, ngram, none, suffix  # noqa: F401
 
     if spec.method not in REGISTRY:
         raise ConfigError(f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(REGISTRY))}")

@@ -1,0 +1,335 @@
+"""The EAGLE-3 draft head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
+Language Models via Training-Time Test") and its files.
+
+The head drafts from the target's own states. For a position t it reads the *feature* g_t and the
+embedding of the token after it, x_{t+1}, and predicts x_{t+2}:
+
+- feature: at the first draft step, ``fc`` of the residual streams entering three target layers
+  (the reference code and vLLM take layers 2, L/2 and L-3), concatenated [3H] -> [H]; at a later
+  step, the head's own output (before its final norm) of the step before.
+- one decoder layer whose attention reads [norm(embedding); norm(feature)] (2H) and whose residual
+  is the feature (``hidden_norm``'s input, or its output with ``norm_before_residual``), then an
+  MLP, then ``norm`` and ``lm_head`` over a *truncated draft vocabulary* of N target tokens:
+  ``d2t[i]`` is the offset from draft row i to its target id (target = i + d2t[i]) and ``t2d`` the
+  [V] mask of target ids the head can propose, as in the ``speculators`` and EAGLE-3 files.
+
+Files: Red Hat's ``speculators`` format (what vLLM loads): ``config.json`` with
+``speculators_model_type: "eagle3"``, ``transformer_layer_config``, ``draft_vocab_size``,
+``eagle_aux_hidden_state_layer_ids`` and ``speculators_config`` (the verifier, i.e. the target),
+and ``model.safetensors`` with ``fc.weight``, ``layers.0.*``, ``norm.weight``, ``lm_head.weight``,
+``d2t``, ``t2d``. SpecForge / SGLang's layout (a plain Llama config with ``draft_vocab_size``,
+weights ``midlayer.*``) is read too. quickdraft adds a ``quickdraft`` key with the target's
+fingerprint, so that a head loaded against another target or vocabulary is a clear error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft.errors import ConfigError
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config keys these files follow (checked against its source)
+_LAYER = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+          "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The states EAGLE-3 fuses: those entering layers 2, L/2 and L-3 (clamped for tiny models)."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+def target_key(model) -> str:
+    """A target's fingerprint: its shape, its tokenizer and its final norm's weights (rounded to
+    bfloat16, so that a float32 and a bfloat16 load of one model agree)."""
+    c = model.config
+    h = hashlib.sha256(json.dumps([c.arch, c.vocab_size, c.hidden_size, c.num_layers, c.num_heads,
+                                   c.num_kv_heads, c.intermediate_size]).encode())
+    if model.tokenizer is not None:
+        h.update(model.tokenizer.fingerprint().encode())
+    norm = model.weights["model.norm.weight"].detach().to("cpu", torch.bfloat16).float()
+    h.update(norm.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # N rows of lm_head
+    aux_layers: tuple[int, ...]  # target layers whose entering states fc fuses
+    target: str  # the target's name (speculators' verifier name_or_path)
+    target_key: str | None = None  # target_key(target); None: a head made elsewhere
+    norm_before_residual: bool = False
+
+    @classmethod
+    def for_target(cls, model, draft_vocab_size: int, name: str | None = None) -> "Eagle3Config":
+        c = model.config
+        return cls(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                   c.rope_theta, c.max_position_embeddings, c.vocab_size, draft_vocab_size,
+                   default_aux_layers(c.num_layers), name or c.name or str(model.source), target_key(model))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, Hugging Face's rotate-half layout: x [..., n, heads, d], positions [..., n]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = positions.float().unsqueeze(-1) * inv_freq  # [..., n, d/2]
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(-2)  # [..., n, 1, d]
+    xf = x.float()
+    rotated = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
+    return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)
+
+
+class Eagle3Head(nn.Module):
+    """fc, one decoder layer over [embedding; feature], norm, lm_head over the draft vocabulary."""
+
+    def __init__(self, config: Eagle3Config, draft_ids: torch.Tensor):
+        """``draft_ids`` [N] int64 ascending: the target id of each lm_head row."""
+        super().__init__()
+        c = self.config = config
+        H, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.fc = nn.Linear(len(c.aux_layers) * H, H, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(H))
+        self.hidden_norm = nn.Parameter(torch.ones(H))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(H))
+        self.q_proj = nn.Linear(2 * H, q, bias=False)
+        self.k_proj = nn.Linear(2 * H, kv, bias=False)
+        self.v_proj = nn.Linear(2 * H, kv, bias=False)
+        self.o_proj = nn.Linear(q, H, bias=False)
+        self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        self.norm = nn.Parameter(torch.ones(H))
+        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        if draft_ids.numel() != c.draft_vocab_size:
+            raise ValueError(f"{draft_ids.numel()} draft ids for a draft vocabulary of {c.draft_vocab_size}")
+        self.register_buffer("draft_ids", draft_ids.long().clone(), persistent=False)
+
+    # -- the layer, in two halves so that training and serving each bring their own attention -----
+    def project(self, emb: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor):
+        """emb, feature [..., n, H], positions [..., n] -> q [..., n, heads, d], k and v
+        [..., n, kv_heads, d] (rotated), and the residual [..., n, H]."""
+        c = self.config
+        e = rms_norm(emb, self.input_layernorm, c.rms_norm_eps)
+        h = rms_norm(feature, self.hidden_norm, c.rms_norm_eps)
+        residual = h if c.norm_before_residual else feature
+        x = torch.cat([e, h], dim=-1)
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
+        return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v, residual
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn [..., n, heads * d] -> the layer's output before the final norm [..., n, H] (the
+        next draft step's feature)."""
+        x = residual + self.o_proj(attn)
+        h = rms_norm(x, self.post_attention_layernorm, self.config.rms_norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """out [..., H] -> [..., N] over the draft vocabulary, float32."""
+        return self.lm_head(rms_norm(out, self.norm, self.config.rms_norm_eps)).float()
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int) -> torch.Tensor:
+        """One sequence at serving time: q [n, heads, d] at positions ctx..ctx+n-1 over keys and
+        values [ctx + n, kv_heads, d] (causal among the n) -> [n, heads * d]."""
+        c = self.config
+        n, group = q.shape[0], c.num_heads // c.num_kv_heads
+        k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
+        v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        mask = torch.ones(n, ctx + n, dtype=torch.bool, device=q.device).tril(ctx)
+        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask)  # [heads, n, d]
+        return out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim).to(q.dtype)
+
+    # -- files ---------------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """Tensors by their speculators names."""
+        p = "layers.0."
+        w = {"fc.weight": self.fc.weight, p + "input_layernorm.weight": self.input_layernorm,
+             p + "hidden_norm.weight": self.hidden_norm, p + "post_attention_layernorm.weight": self.post_attention_layernorm,
+             "norm.weight": self.norm, "lm_head.weight": self.lm_head.weight}
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            w[f"{p}self_attn.{name}.weight"] = getattr(self, name).weight
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            w[f"{p}mlp.{name}.weight"] = getattr(self, name).weight
+        w = {k: v.detach().contiguous() for k, v in w.items()}
+        ids = self.draft_ids.cpu()
+        w["d2t"] = ids - torch.arange(ids.numel())
+        w["t2d"] = torch.zeros(self.config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        return w
+
+    def load_state(self, w: dict[str, torch.Tensor]) -> None:
+        own = self.state()
+        missing = [n for n in own if n not in ("d2t", "t2d") and n not in w]
+        if missing:
+            raise ConfigError(f"the EAGLE-3 head's weights lack {missing[:3]}")
+        with torch.no_grad():
+            for name, t in own.items():
+                if name in ("d2t", "t2d"):
+                    continue
+                if tuple(w[name].shape) != tuple(t.shape):
+                    raise ConfigError(f"the EAGLE-3 head's {name} has shape {tuple(w[name].shape)}, its config says "
+                                      f"{tuple(t.shape)}")
+                self._param(name).copy_(w[name])
+
+    def _param(self, name: str) -> torch.Tensor:
+        short = name.removeprefix("layers.0.").removeprefix("self_attn.").removeprefix("mlp.")
+        short = short.removesuffix(".weight")
+        obj = getattr(self, short)
+        return obj.weight if isinstance(obj, nn.Linear) else obj
+
+
+def speculators_config(head: Eagle3Head, num_speculative_tokens: int = 3, extra: dict | None = None) -> dict:
+    """config.json in the speculators format (Eagle3SpeculatorConfig's keys)."""
+    c = head.config
+    layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size,
+             "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+             "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu",
+             "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": c.target, "architectures": []},
+        },
+        "quickdraft": {"target_key": c.target_key, **(extra or {})},
+    }
+
+
+def save(head: Eagle3Head, path: str | Path, num_speculative_tokens: int = 3, extra: dict | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (speculators format) into ``path``, each
+    atomically (a reader never sees half a file)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / ".model.safetensors.tmp"
+    save_file({k: v.float() if v.is_floating_point() else v for k, v in head.state().items()}, str(tmp))
+    tmp.replace(path / "model.safetensors")
+    tmp = path / ".config.json.tmp"
+    tmp.write_text(json.dumps(speculators_config(head, num_speculative_tokens, extra), indent=2) + "\n")
+    tmp.replace(path / "config.json")
+    return path
+
+
+def load(path: str | Path) -> Eagle3Head:
+    """A head from a directory in the speculators format or SpecForge's (``midlayer.*``)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        doc = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}/config.json cannot be read as an EAGLE-3 head's config: {e}") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path} holds no *.safetensors weights")
+    w = {}
+    for f in files:
+        w.update(load_file(str(f)))
+    w = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v for k, v in w.items()}
+    config = _config(doc, w, path)
+    if "d2t" in w:
+        ids = w["d2t"].long() + torch.arange(w["d2t"].numel())
+    else:  # a head over the whole vocabulary
+        ids = torch.arange(config.vocab_size)
+    head = Eagle3Head(config, ids)
+    head.load_state(w)
+    return head.eval()
+
+
+def _config(doc: dict, w: dict, path: Path) -> Eagle3Config:
+    if doc.get("speculators_model_type", "eagle3") != "eagle3":
+        raise ConfigError(f"{path} holds a {doc['speculators_model_type']!r} speculator, not an EAGLE-3 head")
+    unsupported = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if doc.get(k)]
+    if unsupported:  # later speculators variants (gpt-oss style, EAGLE 3.1): another network
+        raise ConfigError(f"the EAGLE-3 head at {path} sets {unsupported}, variants quickdraft does not run yet")
+    layer = doc.get("transformer_layer_config", doc)  # SpecForge: the Llama config is the file
+    ours = doc.get("quickdraft", {})
+    verifier = doc.get("speculators_config", {}).get("verifier", {}).get("name_or_path") or ""
+    H = layer["hidden_size"]
+    heads = layer["num_attention_heads"]
+    aux = doc.get("eagle_aux_hidden_state_layer_ids") or doc.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        raise ConfigError(f"{path}/config.json does not say which target layers the head reads "
+                          "(eagle_aux_hidden_state_layer_ids)")
+    n = doc.get("draft_vocab_size") or layer.get("draft_vocab_size") or w["lm_head.weight"].shape[0]
+    return Eagle3Config(H, layer["intermediate_size"], heads, layer.get("num_key_value_heads", heads),
+                        layer.get("head_dim") or H // heads, layer.get("rms_norm_eps", 1e-6),
+                        float(layer.get("rope_theta", 10000.0)), layer.get("max_position_embeddings", 4096),
+                        layer["vocab_size"], int(n), tuple(aux), verifier, ours.get("target_key"),
+                        bool(doc.get("norm_before_residual", False)))
+
+
+def check_target(config: Eagle3Config, model, source: str) -> None:
+    """A head drafts for the target it was trained on: another target (or vocabulary) is an error."""
+    c = model.config
+    if config.vocab_size != c.vocab_size or config.hidden_size != c.hidden_size:
+        raise ConfigError(f"the EAGLE-3 head {source} was made for {config.target!r} (vocabulary {config.vocab_size}, "
+                          f"hidden size {config.hidden_size}), not for this target {c.name or model.source!r} "
+                          f"(vocabulary {c.vocab_size}, hidden size {c.hidden_size})", "model")
+    bad = [i for i in config.aux_layers if not 0 <= i < c.num_layers]
+    if bad:
+        raise ConfigError(f"the EAGLE-3 head {source} reads target layers {list(config.aux_layers)}, but this target "
+                          f"has {c.num_layers}", "model")
+    if config.target_key is not None and config.target_key != target_key(model):
+        raise ConfigError(f"the EAGLE-3 head {source} was trained on {config.target!r}, another model than this target "
+                          f"{c.name or model.source!r} (their fingerprints differ): train one for this target", "model")
+    if config.target_key is None and config.target and not _same_name(config.target, c.name or str(model.source)):
+        raise ConfigError(f"the EAGLE-3 head {source} declares its target {config.target!r}, not this target "
+                          f"{c.name or model.source!r}", "model")
+
+
+def _same_name(a: str, b: str) -> bool:
+    """Hub names and ours: 'Qwen/Qwen2.5-Coder-1.5B-Instruct' names 'qwen2.5-coder-1.5b-instruct'."""
+    norm = lambda s: Path(s).name.lower().removesuffix(".gguf")  # noqa: E731
+    return norm(a) == norm(b) or norm(a) in norm(b) or norm(b) in norm(a)
+
+
+def init_from_target(head: Eagle3Head, model) -> None:
+    """Start lm_head from the target's rows for the draft vocabulary, and norm from its final norm:
+    the head then begins near the target's own prediction from the feature."""
+    w = model.weights
+    lm = w["model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"]
+    if not isinstance(lm, torch.Tensor):
+        lm = lm.dequantize(torch.float32)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(lm[head.draft_ids.to(lm.device)].float())
+        head.norm.copy_(w["model.norm.weight"].float())
+        n, H = len(head.config.aux_layers), head.config.hidden_size
+        # fc starts as the mean of the fused states: a sensible feature from the first step on
+        head.fc.weight.copy_(torch.cat([torch.eye(H) / n] * n, dim=1))
+

@@ -1,0 +1,147 @@
+"""Method "eagle3": an EAGLE-3 head (models/eagle3.py) drafts from the target's own states.
+
+The head's pair at position t is (feature of t, embedding of token t + 1) and it predicts token
+t + 2. The target's states reach the proposer after every verification pass (the runner's
+``read_target``): the states entering the head's three layers, for each committed row. They wait
+in ``_features[slot]`` until the next proposal, whose first step feeds every waiting pair (the
+catch-up) and drafts one token from the last; each later step feeds one pair, the head's own
+output as the feature and its last draft token's embedding, as in the training-time test.
+
+The head keeps its own KV cache by slot, like the draft model: ``_cached[slot]`` pairs (positions
+0 .. cached - 1) are real; the keys a proposal's later steps write past them are overwritten by
+the next proposal. Draft tokens are sampled from the head's q under the request's parameters (the
+argmax when greedy) and q goes to the verifier, so the output is the target's whatever the head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.models import eagle3 as head_file
+from quickdraft.proposers.base import DraftProposal, register
+from quickdraft.proposers.heads import embed_rows, resolve_dir, sample_rows
+
+
+@register("eagle3")
+class Eagle3Proposer:
+    cost = None  # one small layer a step: drafts are close to free beside a target pass
+
+    def __init__(self, head: "head_file.Eagle3Head", target_weights: dict, vocab_size: int, num_slots: int,
+                 max_len: int, device="cpu"):
+        c = head.config
+        self.head = head.to(device).float().eval()
+        self.reads_target = tuple(c.aux_layers)
+        self.weights = target_weights
+        self.vocab_size = vocab_size
+        self.head_ids = None if c.draft_vocab_size == vocab_size else self.head.draft_ids
+        self.keys = torch.zeros(num_slots, max_len + 16, c.num_kv_heads, c.head_dim, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self._cached = [0] * num_slots
+        self._features: list[torch.Tensor | None] = [None] * num_slots  # [m, layers * H] float32
+        self._lost = [False] * num_slots  # the target's states skipped rows the head needed
+
+    @classmethod
+    def from_config(cls, spec, ctx) -> "Eagle3Proposer":
+        if isinstance(spec.model, head_file.Eagle3Head):  # built in code (tests)
+            head, source = spec.model, "given"
+        else:
+            path = resolve_dir(spec, ctx.target, "eagle3")
+            head, source = head_file.load(path), str(path)
+        head_file.check_target(head.config, ctx.target, source)
+        return cls(head, ctx.target.weights, ctx.target.config.vocab_size, ctx.num_slots, ctx.max_model_len, ctx.device)
+
+    def read_target(self, seqs, final, states) -> None:
+        for s, rows in zip(seqs, states):
+            if rows is None or rows.shape[0] == 0:
+                continue
+            waiting = self._features[s.slot]
+            have = self._cached[s.slot] + (0 if waiting is None else waiting.shape[0])
+            if s.num_cached != have:  # rows the head never saw (a prefix served from a cache): it
+                self._lost[s.slot] = True  # cannot build its context, so this sequence drafts nothing
+                continue
+            rows = rows.float()
+            self._features[s.slot] = rows if waiting is None else torch.cat([waiting, rows])
+
+    @torch.inference_mode()
+    def propose(self, seqs, num_tokens) -> DraftProposal:
+        active = [i for i, k in enumerate(num_tokens)
+                  if k > 0 and self._features[seqs[i].slot] is not None and not self._lost[seqs[i].slot]]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        sampled = any(not seqs[i].params.greedy for i in active)
+        if active:
+            out, tokens, q = self._first_step([seqs[i] for i in active], sampled)
+            for step in range(max(num_tokens[i] for i in active)):
+                if step > 0:
+                    keep = [r for r, i in enumerate(active) if num_tokens[i] > step]
+                    active, out, tokens = [active[r] for r in keep], out[keep], tokens[keep]
+                    out, tokens, q = self._next_step([seqs[i] for i in active], out, tokens, step, sampled)
+                for row, i in enumerate(active):
+                    drafts[i].append(int(tokens[row]))
+                    if q is not None:
+                        probs[i].append(q[row])
+        flat = [t for d in drafts for t in d]
+        q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
+        return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
+
+    def _first_step(self, seqs, sampled):
+        """Feed each sequence's waiting pairs; -> the last row's output [b, H], draft ids [b], q."""
+        h = self.head
+        feats, toks, pos, lens = [], [], [], []
+        for s in seqs:
+            f, c = self._features[s.slot], self._cached[s.slot]
+            nxt = s.token_ids[c + 1 : c + 1 + f.shape[0]]  # token t + 1 of each waiting position t
+            f = f[: len(nxt)]  # (always all of them: the states cover positions up to len - 2)
+            feats.append(f)
+            toks += nxt
+            pos.append(torch.arange(c, c + len(nxt)))
+            lens.append(len(nxt))
+        device = self.keys.device
+        feature = h.fc(torch.cat(feats).to(device))
+        emb = embed_rows(self.weights, torch.tensor(toks, dtype=torch.long)).to(device)
+        out = self._layer(seqs, emb, feature, torch.cat(pos).to(device), lens)
+        last = torch.tensor(lens).cumsum(0) - 1
+        for s, n in zip(seqs, lens):
+            self._cached[s.slot] += n
+            self._features[s.slot] = None
+        out = out[last.to(device)]
+        tokens, q = sample_rows(seqs, h.logits(out), self.head_ids, self.vocab_size, sampled)
+        return out, tokens, q
+
+    def _next_step(self, seqs, out, tokens, step, sampled):
+        """One pair a sequence: the previous output as feature, the last draft token's embedding."""
+        device = self.keys.device
+        emb = embed_rows(self.weights, tokens.cpu()).to(device)
+        pos = torch.tensor([self._cached[s.slot] - 1 + step for s in seqs], device=device)
+        out = self._layer(seqs, emb, out, pos, [1] * len(seqs))
+        tokens, q = sample_rows(seqs, self.head.logits(out), self.head_ids, self.vocab_size, sampled)
+        return out, tokens, q
+
+    def _layer(self, seqs, emb, feature, positions, lens) -> torch.Tensor:
+        """The head's layer over ragged rows (each sequence's ``lens[i]`` rows at consecutive
+        positions), its keys and values written to the sequence's slot first."""
+        q, k, v, residual = self.head.project(emb, feature, positions)
+        attn, start = [], 0
+        for s, n in zip(seqs, lens):
+            p0 = int(positions[start])
+            self.keys[s.slot, p0 : p0 + n] = k[start : start + n]
+            self.values[s.slot, p0 : p0 + n] = v[start : start + n]
+            attn.append(self.head.attend(q[start : start + n], self.keys[s.slot, : p0 + n],
+                                         self.values[s.slot, : p0 + n], p0))
+            start += n
+        return self.head.finish(torch.cat(attn), residual)
+
+    def observe(self, seqs, outcome) -> None:
+        pass  # the committed rows' states arrive through read_target
+
+    def catchup_rows(self, seq) -> int:
+        f = self._features[seq.slot]
+        return 0 if f is None else max(f.shape[0] - 1, 0)
+
+    def release(self, seq) -> None:
+        self._cached[seq.slot] = 0
+        self._features[seq.slot] = None
+        self._lost[seq.slot] = False
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,141 @@
+"""``quickdraft train data | eagle3 | medusa | draft``: training data from the target, then heads
+(or a distilled draft model).
+
+Everything lands in the cache, never in the repository: the data in
+``$QUICKDRAFT_CACHE/heads/<target>/data/``, the heads in ``.../<target>/eagle3/`` and
+``.../<target>/medusa/``, where ``--speculative-config '{"method": "eagle3"}'`` finds them. Each
+step resumes after an interruption (data shards, training checkpoints); rerun the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub) -> None:
+    t = sub.add_parser("train", help="train EAGLE-3 or Medusa heads on the target's own states")
+    tsub = t.add_subparsers(dest="train_command", required=True)
+    d = tsub.add_parser("data", help="label texts with the target: hidden states for the heads, sharded, resumable")
+    _data_args(d)
+    d.set_defaults(func=_data)
+    for method in ("eagle3", "medusa"):
+        p = tsub.add_parser(method, help=f"train the target's {method} head (makes or resumes its data first)")
+        _data_args(p)
+        p.add_argument("--out", default=None, help=f"the head's directory (default: the cache's, "
+                                                   f"$QUICKDRAFT_CACHE/heads/<target>/{method})")
+        p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
+        p.add_argument("--batch-size", type=int, default=4, help="windows a step")
+        p.add_argument("--lr", type=float, default=1e-3)
+        p.add_argument("--draft-vocab-size", type=int, default=32768,
+                       help="rows of the head's output: the most frequent target tokens of the data")
+        p.add_argument("--seed", type=int, default=0)
+        if method == "eagle3":
+            p.add_argument("--ttt-steps", type=int, default=3, help="unrolled drafting steps of the training-time test")
+        else:
+            p.add_argument("--num-heads", type=int, default=4, help="K: heads, one a draft position")
+        p.set_defaults(func=_train, method=method)
+    p = tsub.add_parser("draft", help="distill the draft model towards the target (KL on the target's data)")
+    _data_args(p)
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the draft model to fine-tune")
+    p.add_argument("--out", default=None, help="the tuned draft's directory (default: "
+                                               "$QUICKDRAFT_CACHE/heads/<target>/draft)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_draft)
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the target: a built-in name, .gguf or HF directory")
+    p.add_argument("--texts", default=None, help="JSONL (\"text\", \"prompt\" or \"messages\") or a text file; default: "
+                                                 "the installed Python packages' sources and documentation")
+    p.add_argument("--data", default=None, help="the data directory (default: $QUICKDRAFT_CACHE/heads/<target>/data)")
+    p.add_argument("--max-tokens", type=int, default=200_000, help="tokens of text to label")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens a window")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the target's, for labelling")
+    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
+
+
+def _load(args):
+    import torch
+
+    from quickdraft.models.loader import load_model
+
+    return load_model(args.model, getattr(torch, args.dtype), quantization=args.quantization)
+
+
+def _data_dir(args, model) -> Path:
+    from quickdraft.proposers.heads import default_dir
+
+    return Path(args.data).expanduser() if args.data else default_dir(model, "data")
+
+
+def _data(args) -> int:
+    from quickdraft.train import data
+
+    model = _load(args)
+    started = time.perf_counter()
+    out = data.build(model, _data_dir(args, model), args.texts, args.seq_len, args.max_tokens)
+    m = data.read_manifest(out)
+    print(json.dumps({"data": str(out), "windows": m.num_windows, "source": m.source,
+                      "seconds": round(time.perf_counter() - started, 1)}))
+    return 0
+
+
+def _train(args) -> int:
+    from quickdraft.proposers.heads import default_dir
+    from quickdraft.train import data
+
+    model = _load(args)
+    data_dir = _data_dir(args, model)
+    data.build(model, data_dir, args.texts, args.seq_len, args.max_tokens)  # resumes; nothing to do when done
+    windows = data.load_windows(data_dir, model)
+    out = Path(args.out).expanduser() if args.out else default_dir(model, args.method)
+    manifest = data.read_manifest(data_dir)
+    extra = {"data_source": manifest.source}
+    started = time.perf_counter()
+    if args.method == "eagle3":
+        from quickdraft.train import eagle3
+
+        _, losses = eagle3.train(model, windows, out, args.steps, args.draft_vocab_size, args.ttt_steps,
+                                 args.batch_size, args.lr, args.seed, extra=extra)
+    else:
+        from quickdraft.train import medusa
+
+        _, losses = medusa.train(model, windows, out, args.steps, args.num_heads, args.draft_vocab_size,
+                                 args.batch_size, args.lr, args.seed, extra=extra)
+    tail = losses[-50:]
+    print(json.dumps({"head": str(out), "method": args.method, "steps": len(losses),
+                      "loss_first": losses[0] if losses else None, "loss_last50": sum(tail) / max(len(tail), 1),
+                      "seconds": round(time.perf_counter() - started, 1)}))
+    print(f'use it: --speculative-config \'{{"method": "{args.method}", "num_speculative_tokens": 4}}\' '
+          f"--model {args.model}", file=sys.stderr)
+    return 0
+
+
+def _draft(args) -> int:
+    import torch
+
+    from quickdraft.models.loader import load_model
+    from quickdraft.proposers.heads import default_dir
+    from quickdraft.train import data, draft
+
+    model = _load(args)
+    data_dir = _data_dir(args, model)
+    data.build(model, data_dir, args.texts, args.seq_len, args.max_tokens)
+    windows = data.load_windows(data_dir, model)
+    stock = load_model(args.draft, torch.float32, quantization="none")  # dense weights to train
+    out = Path(args.out).expanduser() if args.out else default_dir(model, "draft")
+    started = time.perf_counter()
+    _, losses = draft.train(model, stock, windows, out, args.steps, args.batch_size, args.lr, args.seed)
+    tail = losses[-50:]
+    print(json.dumps({"draft": str(out), "steps": len(losses), "kl_first": losses[0] if losses else None,
+                      "kl_last50": sum(tail) / max(len(tail), 1), "seconds": round(time.perf_counter() - started, 1)}))
+    print(f'use it: --speculative-config \'{{"method": "draft_model", "model": "{out}"}}\' --model {args.model}',
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,181 @@
+"""EAGLE-3 at a tiny size: the training loss falls, training's unrolled steps compute what serving
+computes, the trained head drafts tokens the target accepts, and speculative output is plain
+decoding's (greedy: token for token; sampled: the TV permutation test of `quickdraft check`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quickdraft.bench.stats import tv_test
+from quickdraft.errors import ConfigError
+from quickdraft.models import eagle3 as head_file
+from quickdraft.models.loader import LoadedModel
+from quickdraft.models.tiny import random_weights
+from quickdraft.proposers.eagle3 import Eagle3Proposer
+from quickdraft.proposers.heads import embed_rows
+from quickdraft.sampling import SamplingParams
+from quickdraft.train import eagle3 as trainer
+from quickdraft.train.loop import batches
+from tests.train.conftest import CONFIG, PROMPTS, TARGET, run
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_windows, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle3")
+    head, losses = trainer.train(TARGET, tiny_windows, out, steps=120, draft_vocab_size=64, batch_size=4, lr=3e-3,
+                                 progress=False)
+    return head, losses, out
+
+
+def test_the_loss_falls(trained):
+    _, losses, _ = trained
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.3 * first
+
+
+def test_training_unrolls_what_serving_drafts(tiny_windows):
+    """Step j of the training-time test at index i is the head's (j+1)-th draft after position i
+    when serving (same positions, same keys), given the same tokens."""
+    torch.manual_seed(0)
+    ids = torch.arange(CONFIG.vocab_size)
+    head = head_file.Eagle3Head(head_file.Eagle3Config.for_target(TARGET, ids.numel()), ids)
+    for p in head.parameters():  # random, not the identity-like init: every part of the layer matters
+        torch.nn.init.normal_(p, std=0.2)
+    w = tiny_windows[0]
+    embed = lambda t: embed_rows(TARGET.weights, t.reshape(-1)).view(*t.shape, -1)  # noqa: E731
+    with torch.no_grad():
+        unrolled = list(trainer.unroll(head, embed, w.aux[None].float(), w.tokens[None], 3))
+    proposer = Eagle3Proposer(head, TARGET.weights, CONFIG.vocab_size, 1, 64)
+    seq = type("Seq", (), {"slot": 0})()
+    i = 20
+    with torch.no_grad():
+        out = proposer._layer([seq], embed_rows(TARGET.weights, w.tokens[1 : i + 2]),
+                              head.fc(w.aux[: i + 1].float()), torch.arange(i + 1), [i + 1])[-1:]
+        for j in range(3):
+            if j:
+                out = proposer._layer([seq], embed_rows(TARGET.weights, w.tokens[i + j + 1 : i + j + 2]), out,
+                                      torch.tensor([i + j]), [1])
+            torch.testing.assert_close(head.logits(out)[0], unrolled[j][0, i], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_equals_plain_and_the_head_drafts(trained, plain, greedy_params, k):
+    head, _, _ = trained
+    outs, stats = run({"method": "eagle3", "model": head, "num_speculative_tokens": k}, PROMPTS, greedy_params)
+    assert [o.token_ids for o in outs] == plain
+    # the trained head drafts what the target writes, on prompts it was not trained on
+    assert stats.accepted_per_position[0] > 0.5 * stats.drafts_per_position[0] > 0
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens
+
+
+def test_an_untrained_head_is_worse_and_still_exact(plain, greedy_params, trained):
+    ids = torch.arange(64)
+    head = head_file.Eagle3Head(head_file.Eagle3Config.for_target(TARGET, 64), ids)
+    outs, stats = run({"method": "eagle3", "model": head, "num_speculative_tokens": 4}, PROMPTS, greedy_params)
+    assert [o.token_ids for o in outs] == plain
+    _, trained_stats = run({"method": "eagle3", "model": trained[0], "num_speculative_tokens": 4}, PROMPTS, greedy_params)
+    assert stats.num_accepted_tokens < trained_stats.num_accepted_tokens
+
+
+def samples(spec, seeds, temperature=1.0):
+    """8 tokens of PROMPTS[0] for each seed, 48 requests at a time (the engine's queue holds 64)."""
+    seeds, out = list(seeds), []
+    for a in range(0, len(seeds), 48):
+        params = [SamplingParams(max_tokens=8, temperature=temperature, seed=s) for s in seeds[a : a + 48]]
+        out += [o.token_ids for o in run(spec, [PROMPTS[0]] * len(params), params, max_num_seqs=8)[0]]
+    return out
+
+
+def test_sampled_output_follows_the_target(trained):
+    spec = {"method": "eagle3", "model": trained[0], "num_speculative_tokens": 3}
+    plain, speculative = samples(None, range(96)), samples(spec, range(96, 192))
+    assert tv_test(speculative, plain, 8).p_value > 0.001
+
+
+def test_a_wrong_q_is_detected(trained, monkeypatch):
+    """The test has power: q claimed uniform over the draft vocabulary while the tokens come from
+    the head's peaked q over-accepts the head's tokens, and the TV test sees it."""
+    import quickdraft.proposers.heads as heads
+
+    real = heads.sample_rows
+
+    def wrong(seqs, logits, head_ids, vocab_size, sampled):
+        ids, q = real(seqs, logits * 3.0, head_ids, vocab_size, sampled)  # sharper than it says
+        if q is not None:
+            q = torch.where(q > 0, 1.0 / 64, 0.0)
+        return ids, q
+
+    monkeypatch.setattr("quickdraft.proposers.eagle3.sample_rows", wrong)
+    spec = {"method": "eagle3", "model": trained[0], "num_speculative_tokens": 3}
+    plain, speculative = samples(None, range(96)), samples(spec, range(96, 192))
+    assert tv_test(speculative, plain, 8).p_value < 0.01
+
+
+def test_speculators_format_round_trip(trained, tmp_path):
+    head, _, out = trained
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["speculators_model_type"] == "eagle3" and doc["draft_vocab_size"] == 64
+    assert doc["eagle_aux_hidden_state_layer_ids"] == list(head_file.default_aux_layers(CONFIG.num_layers))
+    assert doc["speculators_config"]["algorithm"] == "eagle3"
+    assert doc["speculators_config"]["verifier"]["name_or_path"] == "tiny-qwen2"
+    assert {"hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+            "rms_norm_eps", "rope_theta"} <= set(doc["transformer_layer_config"])
+    from safetensors.torch import load_file
+
+    w = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.self_attn.q_proj.weight",
+            "layers.0.hidden_norm.weight", "layers.0.mlp.down_proj.weight"} <= set(w)
+    assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 64
+    assert torch.equal(torch.arange(64) + w["d2t"], head.draft_ids)  # draft row i -> target id i + d2t[i]
+    loaded = head_file.load(out)
+    x = torch.randn(5, CONFIG.hidden_size)
+    assert torch.equal(loaded.logits(x), head.logits(x)) and torch.equal(loaded.draft_ids, head.draft_ids)
+    # SpecForge's layout: the decoder layer's tensors under midlayer.*
+    from safetensors.torch import save_file
+
+    forge = tmp_path / "specforge"
+    forge.mkdir()
+    save_file({k.replace("layers.0.", "midlayer."): v for k, v in w.items()}, str(forge / "model.safetensors"))
+    layer = dict(doc["transformer_layer_config"], draft_vocab_size=64,
+                 eagle_config={"eagle_aux_hidden_state_layer_ids": doc["eagle_aux_hidden_state_layer_ids"]})
+    (forge / "config.json").write_text(json.dumps(layer))
+    assert torch.equal(head_file.load(forge).logits(x), head.logits(x))
+    # speculators 0.9's later variants are another network: refused, not run wrongly
+    (forge / "config.json").write_text(json.dumps(dict(doc, norm_before_fc=True)))
+    with pytest.raises(ConfigError, match="norm_before_fc"):
+        head_file.load(forge)
+
+
+def test_a_head_for_another_target_is_refused(trained):
+    head, _, out = trained
+    other = LoadedModel(CONFIG, random_weights(CONFIG, seed=2, scale=2.0), None, "tiny-other")
+    with pytest.raises(ConfigError, match="another model than this target"):
+        run({"method": "eagle3", "model": str(out), "num_speculative_tokens": 2}, PROMPTS, [SamplingParams()],
+            target=other)
+    wide = head_file.Eagle3Head(head_file.Eagle3Config.for_target(TARGET, 64), torch.arange(64))
+    wide.config = head_file.Eagle3Config(**{**wide.config.__dict__, "vocab_size": 128})
+    with pytest.raises(ConfigError, match="vocabulary 128"):
+        run({"method": "eagle3", "model": wide, "num_speculative_tokens": 2}, PROMPTS, [SamplingParams()])
+
+
+def test_a_missing_head_prints_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="quickdraft train eagle3 --model tiny-qwen2"):
+        run({"method": "eagle3", "num_speculative_tokens": 2}, PROMPTS, [SamplingParams()])
+
+
+def test_rows_the_head_never_saw_stop_its_drafts(trained):
+    """States that start past what the head holds (a prefix served from a cache) cannot rebuild its
+    context: that sequence drafts nothing rather than drafting from misplaced features."""
+    from types import SimpleNamespace
+
+    proposer = Eagle3Proposer(trained[0], TARGET.weights, CONFIG.vocab_size, 2, 64)
+    params = SamplingParams(temperature=0)
+    late = SimpleNamespace(slot=0, num_cached=5, token_ids=list(range(12)), params=params)
+    fresh = SimpleNamespace(slot=1, num_cached=0, token_ids=list(range(9)), params=params)
+    aux = torch.zeros(8, 3 * CONFIG.hidden_size)
+    proposer.read_target([late, fresh], [None, None], [aux[:3], aux])
+    assert proposer.propose([late, fresh], [3, 3]).num_tokens == [0, 3]
