@@ -300,9 +300,11 @@ def run_accuracy(c: AccuracyConfig, progress: bool = True) -> dict:
         phases[name], clock = now - clock, now
 
     blocks = load_model(c.model, dtype, c.device, quantization="gguf")
-    dense = load_model(c.model, dtype, c.device)
+    dense = load_model(c.model, dtype, c.device, quantization="none")  # not the default: that is the blocks
     if not any(getattr(w, "ggml_type", None) for w in blocks.weights.values()):
         raise ConfigError(f"{c.model} holds no GGUF block weights: there is no stored-blocks path to measure", "model")
+    if any(getattr(w, "ggml_type", None) for w in dense.weights.values()):
+        raise RuntimeError(f"{c.model}: the dequantized reference holds block weights")
     ref, test = Decoder(dense.config, dense.weights), Decoder(blocks.config, blocks.weights)
     models = {"blocks": _model_info(blocks), "dense": _model_info(dense)}
     lap("load_s")
