@@ -158,17 +158,17 @@ def counters(o) -> tuple:
 
 
 @pytest.mark.parametrize("spec, temperature", [
-    (None, 0.0),
     ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}, 0.0),
-    # the draft is the target itself: every draft token is accepted unless its own cache is wrong,
-    # so equal counters show the draft's reused keys are right (the output alone could not)
-    ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}, 0.0),
-    ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}, 0.8),
+    # the draft is the target itself (q = p, bit for bit): every draft token is accepted, greedy or
+    # sampled, unless the draft's own cache is wrong, so equal counters show the draft's reused keys
+    # are right (the output alone could not)
+    ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False, "quantization": None}, 0.0),
+    ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False, "quantization": None}, 0.8),
 ])
 def test_outputs_equal_with_the_cache_on_and_off(model, spec, temperature):
-    if spec is not None and spec["method"] == "draft_model":
+    if spec["method"] == "draft_model":
         spec = {**spec, "model": model}
-    params = SamplingParams(max_tokens=12, temperature=temperature, seed=3 if temperature else None)
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=3 if temperature else None)
     runs = {}
     for on in (False, True):
         llm = LLM(model, speculative_config=spec, max_num_seqs=2, max_model_len=256, enable_prefix_caching=on)
@@ -183,7 +183,7 @@ def test_outputs_equal_with_the_cache_on_and_off(model, spec, temperature):
     assert on[0].num_cached_tokens == on[1].num_cached_tokens == 0
     assert all(o.num_cached_tokens > len(a.prompt_token_ids) for o, a in zip(on[2:], on[:2]))
     assert stats.hits == sum(o.num_cached_tokens for o in on)
-    if spec is not None and spec["method"] == "draft_model" and not temperature:
+    if spec["method"] == "draft_model":
         assert sum(o.spec.num_accepted_tokens for o in on) == sum(o.spec.num_draft_tokens for o in on) > 0
 
 
@@ -191,7 +191,7 @@ def test_a_prefix_shared_under_continuous_batching(model):
     """Requests that arrive while another with the same system prompt decodes copy its prefix
     from its running slot; with speculation, their outputs are the cache-off ones."""
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
-    params = SamplingParams(max_tokens=16, temperature=0)
+    params = SamplingParams(max_tokens=8, temperature=0)
     prompts = [
         model.tokenizer.encode(model.tokenizer.apply_chat_template(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], add_generation_prompt=True))
@@ -217,15 +217,21 @@ def test_a_prefix_shared_under_continuous_batching(model):
 
 
 def test_evicted_prefixes_are_recomputed_correctly(model):
-    """One slot, three conversations: each new one takes the slot (evicting the last one's turn) and
-    finds only the chat template's system prompt; outputs stay the cache-off ones."""
-    params = SamplingParams(max_tokens=8, temperature=0)
+    """One slot: a second conversation takes it (evicting the first one's turn, but for the system
+    prompt they share), then the first conversation's next turn recomputes what was evicted; outputs
+    stay the cache-off ones."""
+    params = SamplingParams(max_tokens=6, temperature=0)
+    tok = model.tokenizer
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    encode = lambda c: tok.encode(tok.apply_chat_template(c, add_generation_prompt=True))
     runs = {}
     for on in (False, True):
         llm = LLM(model, max_num_seqs=1, max_model_len=256, enable_prefix_caching=on)
-        outs = [o for q in QUESTIONS for o in chats(llm, params, [q])]  # a turn 1, its turn 2, the next ...
-        outs += chats(llm, params, QUESTIONS[:1])  # the first conversation again, from its start
-        runs[on] = outs, llm.engine.prefix_cache.stats
+        first = llm.generate([encode(c) for c in convs], params)  # one slot: the second evicts the first
+        nxt = convs[0] + [{"role": "assistant", "content": first[0].text}, {"role": "user", "content": "Why?"}]
+        runs[on] = first + llm.generate([encode(nxt)], params), llm.engine.prefix_cache.stats
     (off, _), (on, stats) = runs[False], runs[True]
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
-    assert stats.evicted > 0 and all(o.num_cached_tokens > 0 for o in on[1:])
+    shared = on[1].num_cached_tokens  # the system prompt, found in the first conversation's slot
+    assert shared > 20 and stats.evicted > 0
+    assert on[2].num_cached_tokens == shared < len(on[0].prompt_token_ids)  # its own turn was evicted
