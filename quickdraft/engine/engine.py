@@ -14,8 +14,8 @@ import time
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.cost import Acceptance, calibrate, expected_tokens, plan_draft_lengths
-from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.prefix_cache import PrefixCache
+from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
 from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
 from quickdraft.errors import ConfigError, PromptTooLongError
