@@ -61,7 +61,7 @@ def test_advise_end_to_end(smollm2_path, tmp_path, capsys):
         json.dumps({"prompt": "The capital of France is Paris. The capital of Italy is Rome. The capital of France is"})
         + "\n" + json.dumps({"turns": ["Count from one to five."]}) + "\n")
     out = tmp_path / "out"
-    assert main(["advise", str(prompts), "--methods", "ngram", "--max-tokens", "6", "--batch-sizes", "1,2",
+    assert main(["advise", str(prompts), "--methods", "ngram", "--max-tokens", "4", "--batch-sizes", "1,2",
                  "--num-speculative-tokens", "3", "--max-model-len", "256", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     r = json.loads((out / "result.json").read_text())

@@ -1,7 +1,7 @@
 """Prefix caching (engine/prefix_cache.py): which slot a prompt takes and what it reuses, unit by unit
 without a model; then on SmolLM2's real weights, that outputs (and every speculative counter) are the
-same with the cache on and off, for plain decoding, ngram and a draft model, greedy and sampled, over
-chat turns, a prefix shared by concurrent requests, and eviction."""
+same with the cache on and off: plain greedy decoding, ngram (greedy) and a draft model (seeded
+sampling), over chat turns, a prefix shared by concurrent requests, and eviction."""
 
 from __future__ import annotations
 
@@ -159,10 +159,9 @@ def counters(o) -> tuple:
 
 @pytest.mark.parametrize("spec, temperature", [
     ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}, 0.0),
-    # the draft is the target itself (q = p, bit for bit): every draft token is accepted, greedy or
-    # sampled, unless the draft's own cache is wrong, so equal counters show the draft's reused keys
-    # are right (the output alone could not)
-    ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False, "quantization": None}, 0.0),
+    # sampled, through the draft model's cache too. The draft is the target itself (q = p, bit for
+    # bit): every draft token is accepted unless the draft's own cache is wrong, so the counters show
+    # that the draft's reused keys are right (the output alone could not: it is lossless either way)
     ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False, "quantization": None}, 0.8),
 ])
 def test_outputs_equal_with_the_cache_on_and_off(model, spec, temperature):
