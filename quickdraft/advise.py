@@ -283,7 +283,6 @@ def register(sub) -> None:
 
 
 def advise(args) -> int:
-    import platform
     import shlex
     import sys
     from pathlib import Path
@@ -291,6 +290,7 @@ def advise(args) -> int:
     from quickdraft import SamplingParams
     from quickdraft.advise_report import write
     from quickdraft.bench import datasets
+    from quickdraft.models.kernels import cpu_model
     from quickdraft.models.loader import load_model
     from quickdraft.profile import _numbers
 
@@ -319,7 +319,7 @@ def advise(args) -> int:
         "model": args.model, "prompts_source": Path(args.prompts).name, "num_prompts": len(kept),
         "skipped_prompts": len(prompts) - len(kept), "max_tokens": args.max_tokens, "dtype": args.dtype,
         "k": args.num_speculative_tokens, "batch_sizes": batches, "memory_budget_bytes": budget,
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()}, {torch.get_num_threads()} threads",
         "command": "quickdraft advise " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["advise"] else sys.argv[1:]),
         "duration_s": time.time() - started,
     })
