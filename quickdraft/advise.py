@@ -282,10 +282,25 @@ def register(sub) -> None:
     p.set_defaults(func=advise)
 
 
-def advise(args) -> int:
+def command(args) -> str:
+    """The command line that reproduces this run, every setting spelled out."""
     import shlex
+
+    words = ["quickdraft", "advise", args.prompts, "--model", args.model]
+    for d in args.draft_model:
+        words += ["--draft-model", d]
+    words += ["--methods", args.methods, "--num-speculative-tokens", str(args.num_speculative_tokens),
+              "--batch-sizes", args.batch_sizes, "--limit", str(args.limit), "--max-tokens", str(args.max_tokens),
+              "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    return shlex.join(words)
+
+
+def advise(args) -> int:
+    import json
     import sys
     from pathlib import Path
+
+    import torch
 
     from quickdraft import SamplingParams
     from quickdraft.advise_report import write
@@ -302,8 +317,6 @@ def advise(args) -> int:
         raise ConfigError("--max-tokens must be >= 2", "max_tokens")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     variants = drafters(methods, args.draft_model, args.num_speculative_tokens)
-    import torch
-
     model = load_model(args.model, getattr(torch, args.dtype), args.device)
     rows = datasets.load(args.prompts, args.limit or None)
     prompts = [model.tokenizer.encode(datasets.render(p, model.tokenizer, [])) for p in rows]
@@ -320,15 +333,13 @@ def advise(args) -> int:
         "skipped_prompts": len(prompts) - len(kept), "max_tokens": args.max_tokens, "dtype": args.dtype,
         "k": args.num_speculative_tokens, "batch_sizes": batches, "memory_budget_bytes": budget,
         "machine": f"{cpu_model()}, {torch.get_num_threads()} threads",
-        "command": "quickdraft advise " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["advise"] else sys.argv[1:]),
+        "command": command(args),
         "duration_s": time.time() - started,
     })
     result["verdict"] = decide(result, budget)
     report = write(result, Path(args.out))
     print(result["verdict"]["text"])
     if result["verdict"]["speculative_config"]:
-        import json
-
         print(f"--speculative-config '{json.dumps(result['verdict']['speculative_config'])}'")
     print(f"report: {report}", file=sys.stderr)
     return 0
