@@ -146,7 +146,3 @@ class PrefixCache:
         del self._running[slot]
         self._clock += 1
         self._used[slot] = self._clock
-
-    def cached_tokens(self) -> int:
-        """Committed tokens held by free slots: what a hit can reuse without copying from a running one."""
-        return sum(int(self._held[s].shape[0]) for s in range(len(self._held)) if s not in self._running)
