@@ -93,25 +93,20 @@ def waves(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
     return [todo[i : i + batch] for i in range(0, n, batch)]
 
 
-def run_batches(engine, prompts: list[list[int]], batch: int, params, bar=None) -> Run:
-    """Every wave of ``batch`` requests to its end, one after the other."""
-    run = Run(batch, 0, 0, 0.0, [], [])
-    for wave in waves(prompts, batch):
-        started = time.perf_counter()
-        outs = engine.generate_ids(wave, [params] * len(wave))
-        run.seconds += time.perf_counter() - started
-        for o in outs:
-            run.requests += 1
-            run.tokens += len(o.token_ids)
-            run.lengths.append(len(o.token_ids))
-            run.stats.merge(o.spec)
-            if o.first_token_time is not None:
-                run.ttft_s.append(o.first_token_time - o.arrival_time)
-                if len(o.token_ids) > 1 and o.finish_time is not None:
-                    run.tpot_s.append((o.finish_time - o.first_token_time) / (len(o.token_ids) - 1))
-        if bar is not None:
-            bar.update(1)
-    return run
+def run_wave(engine, wave: list[list[int]], params, run: "Run") -> None:
+    """One static batch of requests to its end, added to ``run``."""
+    started = time.perf_counter()
+    outs = engine.generate_ids(wave, [params] * len(wave))
+    run.seconds += time.perf_counter() - started
+    for o in outs:
+        run.requests += 1
+        run.tokens += len(o.token_ids)
+        run.lengths.append(len(o.token_ids))
+        run.stats.merge(o.spec)
+        if o.first_token_time is not None:
+            run.ttft_s.append(o.first_token_time - o.arrival_time)
+            if len(o.token_ids) > 1 and o.finish_time is not None:
+                run.tpot_s.append((o.finish_time - o.first_token_time) / (len(o.token_ids) - 1))
 
 
 def memory(engine, context: int, batch: int, k: int) -> dict:
@@ -213,35 +208,46 @@ def decide(result: dict, budget: int | None) -> dict:
 
 def measure(model, prompts: list[list[int]], variants: list[Drafter], batches, params, k: int, dtype: str,
             device: str, max_model_len: int, progress: bool = True) -> dict:
-    """Every variant at every batch size, interleaved (for each batch size, each variant in turn),
-    after a warm-up of each; -> the result that ``decide`` and the report read."""
+    """Every variant at every batch size, interleaved (each wave of requests by each variant in
+    turn), after a warm-up of each; -> the result that ``decide`` and the report read."""
     from tqdm import tqdm
 
     from quickdraft import LLM, SamplingParams
     from quickdraft.bench.harness import RssSampler
 
-    # The prefix cache stays off: the prompts are cycled into waves, and a repeat must cost what the
-    # first run did. Each engine has a slot for the largest batch.
-    engines = {v.name: LLM(model, speculative_config=v.spec, dtype=dtype, device=device, max_model_len=max_model_len,
-                           max_num_seqs=max(batches), enable_prefix_caching=False).engine
-               for v in tqdm(variants, desc="load", unit="variant", disable=not progress, dynamic_ncols=True)}
+    def engines():
+        # Fresh engines for each batch size, warmed up on text of their own: no drafter may learn
+        # from an earlier run of the same prompts (suffix's global cache would). The prefix cache
+        # stays off: the prompts are cycled into waves, and a repeat must cost what the first did.
+        out = {v.name: LLM(model, speculative_config=v.spec, dtype=dtype, device=device, max_model_len=max_model_len,
+                           max_num_seqs=max(batches), enable_prefix_caching=False).engine for v in variants}
+        for engine in out.values():  # kernels, allocator, the draft's first passes
+            engine.generate_ids([warmup], [SamplingParams(max_tokens=8, temperature=0)])
+        return out
+
+    warmup = model.tokenizer.encode("Warm up: name the four seasons.")
     total = len(variants) * sum(len(waves(prompts, b)) for b in batches)
     bar = tqdm(total=total, desc="advise", unit="batch", disable=not progress, dynamic_ncols=True)
-    for engine in engines.values():  # warm-up: kernels, allocator, the draft's first passes
-        engine.generate_ids([prompts[0]], [SamplingParams(max_tokens=8, temperature=0)])
     runs: dict[str, list[Run]] = {v.name: [] for v in variants}
-    peak = {}
+    peak = {v.name: 0 for v in variants}
     for b in batches:
+        built = engines()
         for v in variants:
-            with RssSampler() as rss:
-                runs[v.name].append(run_batches(engines[v.name], prompts, b, params, bar))
-            peak[v.name] = max(peak.get(v.name, 0), rss.peak)
+            runs[v.name].append(Run(b, 0, 0, 0.0, [], []))
+        # each wave by every variant in turn: a load that comes and goes on a shared machine
+        # falls on all of them alike
+        for wave in waves(prompts, b):
+            for v in variants:
+                with RssSampler() as rss:
+                    run_wave(built[v.name], wave, params, runs[v.name][-1])
+                peak[v.name] = max(peak[v.name], rss.peak)
+                bar.update(1)
     bar.close()
     base = runs["none"]
     lengths = base[0].lengths  # each request's output tokens (the smallest batch)
     context = max(len(p) for p in prompts) + params.max_tokens
-    none_engine = engines["none"]
-    spec_engine = next((engines[v.name] for v in variants if v.spec is not None), None)
+    none_engine = built["none"]
+    spec_engine = next((built[v.name] for v in variants if v.spec is not None), None)
     result = {
         "baseline": {"runs": [r.to_dict() for r in base], "answer_tokens_p50": median(lengths) if lengths else 0.0,
                      "memory": {str(b): memory(none_engine, context, b, k) for b in batches},
@@ -255,7 +261,7 @@ def measure(model, prompts: list[list[int]], variants: list[Drafter], batches, p
         result["drafters"].append({
             "name": v.name, "spec": v.spec, "runs": [r.to_dict() for r in mine],
             "speedup": {str(r.batch): r.tokens_per_second / b.tokens_per_second for r, b in zip(mine, base)},
-            "memory": {str(b): memory(engines[v.name], context, b, k) for b in batches},
+            "memory": {str(b): memory(built[v.name], context, b, k) for b in batches},
             "peak_rss_mib": peak[v.name] / 2**20,
         })
     return result
