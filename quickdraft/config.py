@@ -7,6 +7,7 @@ where they exist) and names the valid keys when it meets an unknown one.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
 
 from quickdraft.errors import ConfigError
@@ -17,6 +18,7 @@ METHODS = ("none", "ngram", "draft_model", "suffix")
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
 DEFAULT_DRAFT_VOCAB_SIZE: int | None = 65536
 MIN_DRAFT_VOCAB_SIZE = 256
+DEVICE_PATTERN = re.compile(r"(cpu|cuda|xpu|mps)(:\d+)?")  # torch's device names that can hold a model
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class SpeculativeConfig:
     # "auto": int8 where the int8 CPU kernel runs and the engine is bfloat16. Measured here (6
     # HumanEval prompts, Qwen pair, K = 8): 1.49x bfloat16 draft -> 1.79x int8, 5.68 -> 5.58 tokens/pass.
     quantization: str | None = "auto"
+    # draft_model: the device the draft runs on: "cpu", "cuda", "cuda:1", ... None: the target's
+    # (--device). A draft on the CPU beside a target on a GPU leaves the GPU's memory to the
+    # target's KV cache; its q and tokens reach the target's device once a step (engine/runner.py).
+    draft_device: str | None = None
     # draft_model: the draft's output head scores only this many tokens, the most frequent in a
     # local corpus (the standard library's sources, never a benchmark's prompts; counted once per
     # machine and tokenizer, proposers/draft_vocab.py). Its q is zero elsewhere, which the
@@ -117,6 +123,14 @@ class SpeculativeConfig:
         if f is not None and (not isinstance(f, str) or not f):
             raise ConfigError(f"draft_vocab_file must be a path to a file of token ids, got {f!r}", "draft_vocab_file")
         self._check_suffix()
+        d = self.draft_device
+        if d is not None:
+            if not isinstance(d, str) or not DEVICE_PATTERN.fullmatch(d):
+                raise ConfigError(f'draft_device must be a device such as "cpu", "cuda" or "cuda:1", got {d!r}',
+                                  "draft_device")
+            if self.method != "draft_model":
+                raise ConfigError(f'draft_device places a draft model: it is for method "draft_model", not '
+                                  f"{self.method!r}", "draft_device")
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {b!r}", "disable_by_batch_size")

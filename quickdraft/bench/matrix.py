@@ -5,6 +5,9 @@ kernel), measured side by side (interleaved, warmed up, medians).
 A decoding step reads each matrix from memory, not from cache, so each timed call goes to the
 next of enough copies of the matrix (in huge pages, as the loader places weights) to fill
 256 MB: a matrix small enough for the L3 cache would otherwise look several times faster.
+Beside it, the blocks' cost with the weights hot in cache (the first tiles of the matrix, about
+512 KiB, called again and again; the fastest of 200 calls, which a shared machine disturbs
+least): what the arithmetic and the loads cost, in ns per 512 weights of one weight row.
 
     python -m quickdraft.bench.matrix --model qwen2.5-coder-1.5b-instruct --tensor blk.0.ffn_gate.weight \
         --plot docs/figures/gguf_rows.png
@@ -22,7 +25,7 @@ from tqdm import tqdm
 
 from quickdraft.models import registry
 from quickdraft.models.decoder import linear, nbytes
-from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.ggml import LANES, BlockWeight
 from quickdraft.models.gguf import _torch_shape, open_gguf
 from quickdraft.models.memory import into_huge_pages
 
@@ -33,7 +36,7 @@ STREAM_BYTES = 256 << 20
 def _copies(w, nbytes: int) -> list:
     n = max(2, STREAM_BYTES // nbytes)
     if isinstance(w, BlockWeight):
-        made = {str(i): BlockWeight(w.ggml_type, w.data.clone(), w.in_features) for i in range(n)}
+        made = {str(i): BlockWeight(w.ggml_type, w.data.clone(), w.in_features, w.out_features) for i in range(n)}
     else:
         made = {str(i): w.clone() for i in range(n)}
     return list(into_huge_pages(made).values())
@@ -54,6 +57,8 @@ def measure(model: str, tensor: str, rows: list[int], rounds: int = 9) -> list[d
     blocks = BlockWeight.from_gguf(t.tensor_type.name, t.data, _torch_shape(t))
     dense = blocks.dequantize(torch.bfloat16)
     weights = {"blocks": _copies(blocks, blocks.nbytes), "bf16": _copies(dense, nbytes(dense))}
+    tiles = max(1, min(blocks.data.shape[0], (512 << 10) // blocks.data.shape[1]))
+    hot = BlockWeight(blocks.ggml_type, blocks.data[:tiles].clone(), blocks.in_features, tiles * LANES)
     out = []
     for m in tqdm(rows, desc=f"{tensor} by rows", leave=False):
         x = torch.randn(m, blocks.shape[1]).to(torch.bfloat16)
@@ -65,9 +70,11 @@ def measure(model: str, tensor: str, rows: list[int], rounds: int = 9) -> list[d
             for k, fn in cases.items():
                 samples[k].append(_time(fn, weights[k]))
         med = {k: statistics.median(v) for k, v in samples.items()}
+        hot_s = min(_time(lambda w: w.linear(x), [hot]) for _ in range(200))
         out.append({"rows": m, "format": t.tensor_type.name, "shape": list(blocks.shape),
                     "blocks_ms": med["blocks"] * 1e3, "bf16_ms": med["bf16"] * 1e3,
-                    "blocks_bytes": blocks.nbytes, "bf16_bytes": nbytes(dense)})
+                    "blocks_bytes": blocks.nbytes, "bf16_bytes": nbytes(dense),
+                    "hot_ns_per_512": hot_s * 1e9 / (hot.out_features * hot.in_features / 512)})
     base = {k: out[0][k] for k in ("blocks_ms", "bf16_ms")}
     for r in out:
         r["blocks_vs_1_row"] = r["blocks_ms"] / base["blocks_ms"]
@@ -119,9 +126,10 @@ def main(argv=None) -> int:
     r0 = rows[0]
     print(f"{args.tensor} {r0['format']} {r0['shape']}: {r0['blocks_bytes'] / 2**20:.1f} MiB as blocks, "
           f"{r0['bf16_bytes'] / 2**20:.1f} MiB in bfloat16; torch threads {torch.get_num_threads()}")
-    print(f"{'rows':>5} {'blocks ms':>10} {'x 1 row':>8} {'bf16 ms':>9} {'x 1 row':>8}")
+    print(f"{'rows':>5} {'blocks ms':>10} {'x 1 row':>8} {'bf16 ms':>9} {'x 1 row':>8} {'hot ns/512':>11}")
     for r in rows:
-        print(f"{r['rows']:>5} {r['blocks_ms']:>10.2f} {r['blocks_vs_1_row']:>8.2f} {r['bf16_ms']:>9.2f} {r['bf16_vs_1_row']:>8.2f}")
+        print(f"{r['rows']:>5} {r['blocks_ms']:>10.2f} {r['blocks_vs_1_row']:>8.2f} {r['bf16_ms']:>9.2f} "
+              f"{r['bf16_vs_1_row']:>8.2f} {r['hot_ns_per_512']:>11.1f}")
     return 0
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.kernels import Invariance, chain_attention, dense_linear, fused_layer, invariance, rowwise, tree_attention
-from quickdraft.models.ggml import BlockWeight, on_blocks
+from quickdraft.models.ggml import LANES, BlockWeight, on_blocks
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import Int8Weight, quantize_weights
 
@@ -189,10 +189,11 @@ class Decoder:
             x = embed.dequantize(self.dtype, rows=tokens)  # [num_tokens, hidden]
         else:
             x = embed[tokens]  # [num_tokens, hidden]
-        fused = self._fused if self._fused is not None and self._chains(meta) else None
+        fused = self._fused if self._fused is not None and max(meta.query_lens) <= MAX_ROW_BY_ROW else None
+        trees = self._trees(meta) if fused is not None else None  # once a pass, not once a layer
         for layer in range(num_layers if num_layers is not None else self.num_layers):
             if fused is not None:
-                x = self._fused_block(fused, layer, x, positions, kv, meta)
+                x = self._fused_block(fused, layer, x, positions, kv, meta, trees)
             else:
                 x = self._block(layer, x, positions, kv, meta)
         return rms_norm(x, self.w["model.norm.weight"], self.config.rms_norm_eps)
@@ -209,8 +210,8 @@ class Decoder:
     def _fused_layers(self):
         """Per layer, the weights, formats and biases kernels/layer.cpp takes, where it runs: on a
         CPU with the kernels, head sizes the chain attention takes, and every projection either
-        GGUF blocks or dense in the activations' dtype (the int8 draft format keeps the Python
-        path). None elsewhere."""
+        GGUF blocks of whole tiles (rows a multiple of 16, as in every model) or dense in the
+        activations' dtype (the int8 draft format keeps the Python path). None elsewhere."""
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return None
         if fused_layer() is None or self.config.head_dim not in CHAIN_HEAD_DIMS:
@@ -221,7 +222,7 @@ class Decoder:
             kinds = []
             for name in self._PROJECTIONS:
                 w = self.w[p + name + ".weight"]
-                if isinstance(w, BlockWeight):
+                if isinstance(w, BlockWeight) and w.out_features % LANES == 0:  # no padded rows to drop
                     kinds.append(w.format.kind)
                 elif isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.is_contiguous():
                     kinds.append(-1)  # layer.cpp's DENSE
@@ -234,19 +235,21 @@ class Decoder:
             layers.append((weights, kinds, biases))
         return layers
 
-    @staticmethod
-    def _chains(meta: AttentionMetadata) -> bool:
-        """Whether every sequence's new tokens are a causal chain that attends row by row."""
-        return (meta.masks is None or all(m is None for m in meta.masks)) and max(meta.query_lens) <= MAX_ROW_BY_ROW
+    def _trees(self, meta: AttentionMetadata) -> tuple[list, list]:
+        """Each sequence's token tree as attend_tree takes it (start, path: ``_paths``), or None for
+        a chain."""
+        masks = meta.masks if meta.masks is not None else [None] * len(meta.slots)
+        paths = [self._paths(m) if m is not None else (None, None) for m in masks]
+        return [p[0] for p in paths], [p[1] for p in paths]
 
-    def _fused_block(self, fused, layer, x, positions, kv, meta) -> torch.Tensor:
+    def _fused_block(self, fused, layer, x, positions, kv, meta, trees) -> torch.Tensor:
         """_block in one call: the same kernels and torch operations in the same order, so the
         same bits (tests/models/test_fused_layer.py)."""
         weights, kinds, biases = fused[layer]
         c = self.config
         return fused_layer()(x, positions, weights, kinds, biases, self.rotary.cos, self.rotary.sin,
                              kv.keys[layer], kv.values[layer], meta.slots, meta.context_lens, meta.query_lens,
-                             c.num_heads, c.num_kv_heads, c.rms_norm_eps, self.scale)
+                             *trees, c.num_heads, c.num_kv_heads, c.rms_norm_eps, self.scale)
 
     def _block(self, layer, x, positions, kv, meta) -> torch.Tensor:
         c, p = self.config, f"model.layers.{layer}."

@@ -1,14 +1,16 @@
 """GGUF block-quantized weights kept as stored, repacked once at load for the CPU kernels.
 
 A CPU decoding step reads every weight once, so its cost is the bytes read: a Q4_K_M file's
-weights are ~4.8 bits each where bfloat16 is 16. ``BlockWeight`` holds a projection as one uint8
-tensor of records in the layout kernels/blocks.cpp multiplies (described there): per group of 16
-blocks, the block values interleaved so that one VNNI instruction serves 16 blocks at once, then
-the group's scales, as compact as the file's. Every format dequantizes exactly as ggml does:
+weights are ~4.6 bits each where bfloat16 is 16. ``BlockWeight`` holds a projection [out, in] as
+one uint8 tensor [tiles, tile bytes] in the layout kernels/blocks.cpp multiplies (described
+there): a tile is 16 weight rows, and lane l of every 64-byte vector belongs to row l of the
+tile, so that one VNNI instruction serves 16 rows at once against 4 bytes of x broadcast, and
+the scales follow each block, as compact as the file's. Every format dequantizes exactly as
+ggml does:
 
-- 4-bit values: Q4_0 (4.5 bits a weight, as the file), Q4_1 (5, as the file), Q4_K (4.75; the
+- 4-bit values: Q4_0 (4.5 bits a weight, as the file), Q4_1 (5, as the file), Q4_K (4.625; the
   file's 4.5 packs the 6-bit scales tighter);
-- 5- and 6-bit values: Q5_0 (5.5, as the file), Q6_K (6.625; 6.56 in the file);
+- 5- and 6-bit values: Q5_0 (5.5, as the file), Q6_K (6.5625, as the file);
 - 8-bit values: Q8_0 (8.5, as the file).
 
 The kernels quantize each row of activations to int8 per block (ggml's Q8_0 for 32-blocks), so
@@ -30,6 +32,8 @@ from quickdraft.models.kernels import block_linear
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
           "Q6_K": (256, 210)}
 
+LANES = 16  # weight rows a tile: one per int32 lane of a 64-byte vector
+
 
 @dataclass(frozen=True)
 class Format:
@@ -40,19 +44,44 @@ class Format:
     block: int  # weights a scale
     bits: int  # 4, 5, 6 or 8: the stored values
     offset: int  # taken off the stored values
-    scales: str  # "f16": a float16 scale (and min) a block; "k": int scales a block, float d a super-block
+    scales: str  # "f16": a float16 scale (and min) a block; "k": int scales a block, float16 d a super-block
     has_min: bool
     super_block: int = 0  # blocks a super-block ("k" scales)
 
-    def record(self, g: int) -> int:
-        """Bytes of a record of g blocks: the values, then the scale fields (``_field_order``)."""
-        fields = sum(np.dtype(dtype).itemsize * g // per for _, dtype, per in _field_order(self))
-        return self.block * g * self.bits // 8 + fields
+    @property
+    def steps(self) -> int:
+        """4-weight steps a block: one vpdpbusd each."""
+        return self.block // 4
 
-    def row_bytes(self, k: int) -> int:
+    @property
+    def vectors(self) -> int:
+        """64-byte vectors of values a block: 8-bit one a step; 4-bit two steps a vector (nibbles);
+        5- and 6-bit the nibbles, then one vector of the high bits of every step."""
+        return self.steps if self.bits == 8 else self.steps // 2 + (self.bits > 4)
+
+    def block_fields(self) -> list[tuple[str, np.dtype]]:
+        """The fields after each block's values, 16 lanes of each."""
+        if self.scales == "f16":
+            return [("scale", np.float16)] + ([("min", np.float16)] if self.has_min else [])
+        return [("sc", np.uint8 if self.has_min else np.int8)] + ([("mn", np.uint8)] if self.has_min else [])
+
+    def super_fields(self) -> list[tuple[str, np.dtype]]:
+        """The fields before each super-block's first block, 16 lanes of each."""
+        if self.scales != "k":
+            return []
+        return [("d", np.float16)] + ([("dmin", np.float16)] if self.has_min else [])
+
+    def block_bytes(self) -> int:
+        return self.vectors * 64 + LANES * sum(np.dtype(t).itemsize for _, t in self.block_fields())
+
+    def super_bytes(self) -> int:
+        return LANES * sum(np.dtype(t).itemsize for _, t in self.super_fields())
+
+    def tile_bytes(self, k: int) -> int:
+        """Bytes of a tile of 16 rows of k weights."""
         blocks = k // self.block
-        full, tail = divmod(blocks, 16)
-        return full * self.record(16) + (self.record(tail) if tail else 0)
+        supers = blocks // self.super_block if self.super_block else 0
+        return blocks * self.block_bytes() + supers * self.super_bytes()
 
 
 FORMATS = {
@@ -78,7 +107,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def _unpack(kind: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
     """[file blocks, bytes] -> the fields of ``FORMATS[kind]``, flat in k order: "q" (the stored
     unsigned values, q + offset), and "scale" and "min" (float16, a block) or "sc", "mn" (a block)
-    and "d", "dmin" (float32, a super-block), as ggml's dequantize_row_* reads them."""
+    and "d", "dmin" (float16, a super-block), as ggml's dequantize_row_* reads them."""
     if kind in ("Q4_0", "Q4_1"):
         if kind == "Q4_0":
             return {"q": _nibbles(blocks[:, 2:18]), "scale": _f16(blocks[:, 0:2])}
@@ -95,8 +124,7 @@ def _unpack(kind: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
         mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
         qs = blocks[:, 16:144].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low nibbles, then high
         q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
-        return {"q": q, "sc": sc, "mn": mn, "d": _f16(blocks[:, 0:2]).astype(np.float32),
-                "dmin": _f16(blocks[:, 2:4]).astype(np.float32)}
+        return {"q": q, "sc": sc, "mn": mn, "d": _f16(blocks[:, 0:2]), "dmin": _f16(blocks[:, 2:4])}
     if kind == "Q6_K":
         ql, qh = blocks[:, 0:128], blocks[:, 128:192]
         halves = []
@@ -105,80 +133,98 @@ def _unpack(kind: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
             halves += [(lo[:, :32] & 0x0F) | ((hi & 3) << 4), (lo[:, 32:] & 0x0F) | (((hi >> 2) & 3) << 4),
                        (lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4), (lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)]
         return {"q": np.concatenate(halves, axis=1), "sc": blocks[:, 192:208].view(np.int8),
-                "d": _f16(blocks[:, 208:210]).astype(np.float32)}
+                "d": _f16(blocks[:, 208:210])}
     raise ValueError(f"no block layout for {kind}")
 
 
-def _field_order(f: Format) -> list[tuple[str, np.dtype, int]]:
-    """The scale fields of a record, in order: (name, dtype, blocks per element)."""
-    if f.scales == "f16":
-        return [("scale", np.float16, 1)] + ([("min", np.float16, 1)] if f.has_min else [])
-    sc = [("sc", np.uint8 if f.has_min else np.int8, 1)] + ([("mn", np.uint8, 1)] if f.has_min else [])
-    return sc + [("d", np.float32, f.super_block)] + ([("dmin", np.float32, f.super_block)] if f.has_min else [])
-
-
-def _groups(f: Format, k: int):
-    """(first block, blocks) of each group of a row."""
-    blocks = k // f.block
-    return [(b, min(16, blocks - b)) for b in range(0, blocks, 16)]
-
-
 def _pack(f: Format, fields: dict[str, np.ndarray], out: int, k: int) -> np.ndarray:
-    """The fields of [out, k] weights -> [out, row_bytes] records (blocks.cpp's layout)."""
-    blocks = k // f.block
-    q = fields["q"].reshape(out, blocks, f.block // 4, 4)  # [row, block, step, 4]
-    per_row = {n: fields[n].reshape(out, -1) for n, _, _ in _field_order(f)}
-    records = []
-    for b, g in _groups(f, k):
-        steps = q[:, b : b + g].transpose(0, 2, 1, 3)  # [row, step, lane, 4]
-        if f.bits == 4:  # step 2p in the low nibble, 2p + 1 in the high one
-            steps = steps[:, 0::2] | (steps[:, 1::2] << 4)
-        elif f.bits == 5:  # the low nibbles as 4-bit values (steps 2p, 2p + 1), then the high bit of all 8
-            low, high = steps & 0x0F, steps >> 4
-            high = sum(high[:, s] << s for s in range(8)).astype(np.uint8)
-            steps = np.concatenate([low[:, 0::2] | (low[:, 1::2] << 4), high[:, None]], axis=1)
-        elif f.bits == 6:  # the low nibbles as 4-bit values of steps 0-1 and 2-3, then the high 2 bits of all 4
-            low, high = steps & 0x0F, steps >> 4
-            high = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
-            steps = np.concatenate([low[:, 0::2] | (low[:, 1::2] << 4), high[:, None]], axis=1)
-        records.append(steps.reshape(out, -1).astype(np.uint8))
-        for name, dtype, per in _field_order(f):
-            part = per_row[name][:, b // per : (b + g) // per]
-            records.append(np.ascontiguousarray(part.astype(dtype)).view(np.uint8))
-    return np.ascontiguousarray(np.concatenate(records, axis=1))
+    """The fields of [out, k] weights (each [out, per row]) -> [tiles, tile bytes] (blocks.cpp's
+    layout). Rows past ``out`` in the last tile are zero weights."""
+    tiles, blocks = -(-out // LANES), k // f.block
+    pad = tiles * LANES - out
+
+    def lanes(a: np.ndarray) -> np.ndarray:  # [out, n, ...] -> [tiles, n, ..., 16 lanes, ...]: rows to lanes
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+        a = a.reshape(tiles, LANES, *a.shape[1:])
+        return np.moveaxis(a, 1, 3 if a.ndim == 5 else 2)
+
+    steps = lanes(fields["q"].reshape(out, blocks, f.steps, 4))  # [tile, block, step, lane, 4]
+    half = f.steps // 2
+    if f.bits == 8:
+        values = steps
+    else:  # step s in the low nibble, s + steps/2 in the high one; then the high bits of every step
+        values = (steps[:, :, :half] & 0x0F) | ((steps[:, :, half:] & 0x0F) << 4)
+        if f.bits > 4:
+            width = f.bits - 4  # step s's high bits at bits width*s
+            high = sum((steps[:, :, s] >> 4).astype(np.uint8) << (width * s) for s in range(f.steps))
+            values = np.concatenate([values, high[:, :, None].astype(np.uint8)], axis=2)
+    parts = [values.astype(np.uint8).reshape(tiles, blocks, -1)]
+    for name, dtype in f.block_fields():
+        part = lanes(fields[name].reshape(out, blocks).astype(dtype))  # [tile, block, lane]
+        parts.append(np.ascontiguousarray(part).view(np.uint8).reshape(tiles, blocks, -1))
+    records = np.concatenate(parts, axis=2)  # [tile, block, block bytes]
+    if f.super_block:
+        supers = blocks // f.super_block
+        head = [np.ascontiguousarray(lanes(fields[n].reshape(out, supers).astype(t))).view(np.uint8).reshape(tiles, supers, -1)
+                for n, t in f.super_fields()]
+        records = np.concatenate(head + [records.reshape(tiles, supers, -1)], axis=2)
+    return np.ascontiguousarray(records.reshape(tiles, -1))
 
 
-def _read(f: Format, data: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """[out, row_bytes] records -> (q - offset [out, k] int32, scale [out, blocks] float32, min or None)."""
-    out = data.shape[0]
-    qs, scales, mins = [], [], []
-    at = 0
-    for b, g in _groups(f, k):
-        n = f.block * g * f.bits // 8
-        v = data[:, at : at + n].reshape(out, -1, g, 4)  # [row, vector, lane, 4]
-        if f.bits == 4:
-            v = np.stack([v & 0x0F, v >> 4], axis=2).reshape(out, -1, g, 4)
-        elif f.bits == 5:
-            low = np.stack([v[:, :4] & 0x0F, v[:, :4] >> 4], axis=2).reshape(out, 8, g, 4)
-            v = low | np.stack([((v[:, 4] >> s) & 1) << 4 for s in range(8)], axis=1)
-        elif f.bits == 6:
-            low = np.stack([v[:, :2] & 0x0F, v[:, :2] >> 4], axis=2).reshape(out, 4, g, 4)
-            v = low | np.stack([((v[:, 2] >> (2 * s)) & 3) << 4 for s in range(4)], axis=1)
-        qs.append(v.transpose(0, 2, 1, 3).reshape(out, g * f.block))
-        at += n
-        got = {}
-        for name, dtype, per in _field_order(f):
-            n = np.dtype(dtype).itemsize * g // per
-            got[name] = np.ascontiguousarray(data[:, at : at + n]).view(dtype).astype(np.float32)
+def _fields(f: Format, data: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    """[tiles, tile bytes] -> the fields of its tiles * 16 rows (``_pack``'s inverse): "q" [rows, k]
+    unsigned, the block fields [rows, blocks], the super-block fields [rows, supers]."""
+    tiles, blocks = data.shape[0], k // f.block
+
+    def rows(a: np.ndarray) -> np.ndarray:  # [tile, n, ..., lane, ...] -> [tile * 16, n, ...]
+        a = np.moveaxis(a, 3 if a.ndim == 5 else 2, 1)
+        return a.reshape(tiles * LANES, *a.shape[2:])
+
+    if f.super_block:
+        supers = blocks // f.super_block
+        data = data.reshape(tiles, supers, -1)
+        out, at = {}, 0
+        for name, dtype in f.super_fields():
+            n = LANES * np.dtype(dtype).itemsize
+            out[name] = rows(np.ascontiguousarray(data[:, :, at : at + n]).view(dtype)).reshape(tiles * LANES, supers)
             at += n
-        if f.scales == "f16":
-            scales.append(got["scale"])
-            mins.append(got.get("min"))
-        else:
-            scales.append(got["sc"] * np.repeat(got["d"], f.super_block, axis=1))
-            mins.append(got["mn"] * np.repeat(got["dmin"], f.super_block, axis=1) if f.has_min else None)
-    q = np.concatenate(qs, axis=1).astype(np.int32) - f.offset
-    return q, np.concatenate(scales, axis=1), np.concatenate(mins, axis=1) if f.has_min else None
+        records = data[:, :, at:].reshape(tiles, blocks, -1)
+    else:
+        out, records = {}, data.reshape(tiles, blocks, -1)
+    nv = f.vectors * 64
+    values = records[:, :, :nv].reshape(tiles, blocks, f.vectors, LANES, 4)
+    half = f.steps // 2
+    if f.bits == 8:
+        steps = values
+    else:
+        steps = np.concatenate([values[:, :, :half] & 0x0F, values[:, :, :half] >> 4], axis=2)
+        if f.bits > 4:
+            width = f.bits - 4
+            high = values[:, :, half]
+            steps = steps | np.stack([((high >> (width * s)) & ((1 << width) - 1)) << 4 for s in range(f.steps)], axis=2)
+    out["q"] = rows(steps).reshape(tiles * LANES, k)
+    at = nv
+    for name, dtype in f.block_fields():
+        n = LANES * np.dtype(dtype).itemsize
+        out[name] = rows(np.ascontiguousarray(records[:, :, at : at + n]).view(dtype)).reshape(tiles * LANES, blocks)
+        at += n
+    return out
+
+
+def _dequantize(f: Format, fields: dict[str, np.ndarray]) -> np.ndarray:
+    """The fields of n rows -> [n, k] float32, as ggml dequantizes them."""
+    q = fields["q"].astype(np.float32) - f.offset
+    n = q.shape[0]
+    if f.scales == "f16":
+        scale = fields["scale"].astype(np.float32)
+        mn = fields["min"].astype(np.float32) if f.has_min else None
+    else:
+        scale = fields["sc"].astype(np.float32) * np.repeat(fields["d"].astype(np.float32), f.super_block, axis=1)
+        mn = fields["mn"].astype(np.float32) * np.repeat(fields["dmin"].astype(np.float32), f.super_block, axis=1) if f.has_min else None
+    deq = q.reshape(n, -1, f.block) * scale[:, :, None]
+    if mn is not None:
+        deq = deq - mn[:, :, None]
+    return deq.reshape(n, -1)
 
 
 def on_blocks(weights) -> bool:
@@ -191,8 +237,9 @@ class BlockWeight:
     """A projection [out, in] in a GGUF block format, repacked for kernels/blocks.cpp."""
 
     ggml_type: str  # the file's type: "Q4_K", "Q6_K", ...
-    data: torch.Tensor  # [out, row_bytes] uint8: the records (see blocks.cpp)
+    data: torch.Tensor  # [tiles, tile bytes] uint8: 16 rows a tile (see blocks.cpp)
     in_features: int
+    out_features: int
 
     @property
     def format(self) -> Format:
@@ -200,7 +247,7 @@ class BlockWeight:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.data.shape[0], self.in_features))
+        return torch.Size((self.out_features, self.in_features))
 
     @property
     def device(self) -> torch.device:
@@ -218,39 +265,57 @@ class BlockWeight:
         if cols % per_block:
             raise ValueError(f"{kind} rows of {cols} weights: not whole blocks of {per_block}")
         fields = _unpack(kind, np.asarray(data, dtype=np.uint8).reshape(-1, nbytes))
-        return cls(kind, torch.from_numpy(_pack(FORMATS[kind], fields, out, cols)), cols)
+        return cls.from_fields(kind, {n: a.reshape(out, -1) for n, a in fields.items()}, cols)
+
+    @classmethod
+    def from_fields(cls, kind: str, fields: dict[str, np.ndarray], k: int) -> "BlockWeight":
+        out = fields["q"].shape[0]
+        return cls(kind, torch.from_numpy(_pack(FORMATS[kind], fields, out, k)), k, out)
+
+    def fields(self, rows: torch.Tensor | None = None) -> dict[str, np.ndarray]:
+        """The fields of the given rows (all by default), unpacking only the tiles that hold them."""
+        f = self.format
+        if rows is None:
+            got = _fields(f, self.data.cpu().numpy(), self.in_features)
+            return {n: a[: self.out_features] for n, a in got.items()}
+        rows = rows.cpu().numpy().astype(np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.out_features):
+            raise IndexError(f"rows out of range for {self.out_features} rows")
+        tiles, where = np.unique(rows // LANES, return_inverse=True)
+        got = _fields(f, self.data.cpu().numpy()[tiles], self.in_features)
+        pick = where * LANES + rows % LANES
+        return {n: a[pick] for n, a in got.items()}
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[out, in] (or the given ``rows``) as ggml dequantizes them, in ``dtype``."""
-        w = self if rows is None else self.select(rows)
-        f = w.format
-        q, scale, mn = _read(f, w.data.cpu().numpy(), w.in_features)
-        deq = q.reshape(q.shape[0], -1, f.block).astype(np.float32) * scale[:, :, None]
-        if mn is not None:
-            deq = deq - mn[:, :, None]
-        return torch.from_numpy(deq.reshape(q.shape[0], -1)).to(device=self.device, dtype=dtype)
+        deq = _dequantize(self.format, self.fields(rows))
+        return torch.from_numpy(deq).to(device=self.device, dtype=dtype)
 
     def select(self, rows: torch.Tensor) -> "BlockWeight":
-        """The given output rows (a permutation, or an embedding lookup)."""
-        return BlockWeight(self.ggml_type, self.data[rows.to(self.device)].contiguous(), self.in_features)
+        """The given output rows (a permutation, or a truncated vocabulary), repacked."""
+        picked = BlockWeight.from_fields(self.ggml_type, self.fields(rows), self.in_features)
+        return picked.to(self.device)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, in] @ w.T (+ bias) -> [n, out] in x's dtype."""
         module = block_linear() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
         if module is None:
             return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
-        return module.linear_blocks(x.contiguous(), self.data, self.format.kind, self.in_features, bias)
+        y = module.linear_blocks(x.contiguous(), self.data, self.format.kind, self.in_features, bias)
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
 
     def to(self, device) -> "BlockWeight":
-        return BlockWeight(self.ggml_type, self.data.to(device), self.in_features)
+        return BlockWeight(self.ggml_type, self.data.to(device), self.in_features, self.out_features)
 
     # -- the conversion cache stores each part as its own tensor ----------------------------
     def parts(self, name: str) -> dict[str, torch.Tensor]:
-        return {f"{name}::data": self.data, f"{name}::in": torch.tensor([self.in_features])}
+        return {f"{name}::data": self.data, f"{name}::shape": torch.tensor([self.out_features, self.in_features])}
 
     @classmethod
     def from_parts(cls, ggml_type: str, name: str, tensors: dict[str, torch.Tensor]) -> "BlockWeight":
-        data, k = tensors[f"{name}::data"], int(tensors[f"{name}::in"][0])
-        if data.shape[1] != FORMATS[ggml_type].row_bytes(k):
-            raise ValueError(f"{name}: {data.shape[1]} bytes a row, {ggml_type} needs {FORMATS[ggml_type].row_bytes(k)}")
-        return cls(ggml_type, data, k)
+        data, (out, k) = tensors[f"{name}::data"], (int(v) for v in tensors[f"{name}::shape"])
+        f = FORMATS[ggml_type]
+        if tuple(data.shape) != (-(-out // LANES), f.tile_bytes(k)):
+            raise ValueError(f"{name}: records {tuple(data.shape)}, {ggml_type} [{out}, {k}] needs "
+                             f"{(-(-out // LANES), f.tile_bytes(k))}")
+        return cls(ggml_type, data, k, out)

@@ -168,7 +168,7 @@ def _convert(t: gguf.ReaderTensor, config: ModelConfig, dtype: torch.dtype, sour
     heads = {".q_proj.": config.num_heads, ".k_proj.": config.num_kv_heads}
     for part, n_head in heads.items():
         if config.arch == "llama" and part in name:
-            if isinstance(w, BlockWeight):  # rows are independent in every layout: reorder them whole
+            if isinstance(w, BlockWeight):  # rows are independent: select repacks them in the new order
                 w = w.select(unpermute_rows(torch.arange(w.shape[0]), n_head))
             else:
                 w = unpermute_rows(w, n_head)

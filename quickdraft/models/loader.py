@@ -31,8 +31,9 @@ from quickdraft.models.memory import into_huge_pages, read_safetensors
 from quickdraft.models.tokenizer import Tokenizer
 
 # Bump when the conversion itself changes (names, unpermute, tokenizer building), so that old
-# cache entries are not read as if they were produced by the new code.
-CONVERTER_VERSION = 1
+# cache entries are not read as if they were produced by the new code. 2: GGUF blocks in tiles of
+# 16 weight rows (models/ggml.py).
+CONVERTER_VERSION = 2
 _SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of a file for its fingerprint
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -51,7 +51,8 @@ class ProposerContext:
     device: str
     num_slots: int  # KV-cache slots: sequences are identified by Sequence.slot
     max_model_len: int
-    load_model: Callable[[str], "LoadedModel"]  # name or path -> model in the engine's dtype
+    # name or path -> model in the engine's dtype, on the engine's device unless device= names another
+    load_model: Callable[..., "LoadedModel"]
 
 
 class Proposer(Protocol):

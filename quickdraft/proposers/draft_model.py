@@ -60,12 +60,14 @@ class DraftModelProposer:
 
     @classmethod
     def from_config(cls, spec, ctx) -> "DraftModelProposer":
-        draft = ctx.load_model(spec.model)
+        device = available_device(spec.draft_device or ctx.device)
+        draft = ctx.load_model(spec.model, device=device)
         check_same_vocabulary(ctx.target, draft)
         quantize = spec.quantization
         stored = on_blocks(draft.weights)
         if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
-            quantize = "int8" if quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
+            on_cpu = torch.device(device).type == "cpu"  # the int8 kernel is a CPU kernel
+            quantize = "int8" if on_cpu and quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
         if quantize == "int8" and stored:
             raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
                               'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
@@ -166,6 +168,24 @@ def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Ten
     -> rows [n] (the argmax for greedy rows) and the q [n, N] they were drawn from."""
     q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     return torch.where(batch.greedy, logits.argmax(-1), sample_from_probs(q, uniforms)), q
+
+
+def available_device(name: str) -> str:
+    """``name`` if this machine has that device, else a ConfigError that says what it has."""
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f'draft_device "{name}": this machine has no CUDA device (torch {torch.__version__})',
+                              "draft_device")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f'draft_device "{name}": this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}',
+                              "draft_device")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f'draft_device "{name}": MPS is not available here', "draft_device")
+    elif dev.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise ConfigError(f'draft_device "{name}": no XPU device here', "draft_device")
+    return name
 
 
 def to_vocab(rows: torch.Tensor, q: torch.Tensor | None, head_ids: torch.Tensor | None, vocab_size: int):

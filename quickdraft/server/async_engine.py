@@ -76,6 +76,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._external = not own_thread
         self._running_here = False
+        self.started = False  # start() or run() was called: the loop ran, or runs
         sched = engine.scheduler
         self.snapshot = {"running": 0, "waiting": 0, "free_slots": sched.num_free_slots, "max_num_seqs": sched.num_slots}
 
@@ -85,6 +86,7 @@ class AsyncEngine:
         caller runs it itself (``own_thread=False``)."""
         if self._external:
             return
+        self.started = True
         self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
         self._thread.start()
 
@@ -93,7 +95,7 @@ class AsyncEngine:
         to its caller (``quickdraft serve`` calls this on the main thread)."""
         if not self._external:
             raise RuntimeError("this AsyncEngine runs its loop in its own thread (own_thread=True)")
-        self._running_here = True
+        self._running_here = self.started = True
         try:
             self._run()
         finally:
@@ -222,9 +224,9 @@ class AsyncEngine:
     def _publish(self) -> None:
         sched = self.engine.scheduler
         running, waiting = len(sched.running), len(sched.waiting)
-        self.snapshot = {"running": running, "waiting": waiting, "free_slots": sched.num_free_slots,
-                         "max_num_seqs": sched.num_slots}
-        self.metrics.set_queue(running, waiting)
+        free = sched.num_free_slots
+        self.metrics.set_queue(running, waiting, 1.0 - free / sched.num_slots)  # first: /health then agrees
+        self.snapshot = {"running": running, "waiting": waiting, "free_slots": free, "max_num_seqs": sched.num_slots}
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

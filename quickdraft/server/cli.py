@@ -1,9 +1,9 @@
 """``quickdraft serve``: the model and speculative flags of ``quickdraft generate``, plus the
 server's own (named like ``vllm serve``'s).
 
-SIGTERM drains: the listening socket closes (new connections are refused, a request that still
-arrives on an open connection gets a 503), the requests in flight run to their end, then the
-process exits with status 0. A second SIGINT (Ctrl+C) quits at once.
+SIGTERM drains: new requests get a 503 (with Retry-After) and ``/health`` a 503 while the
+requests in flight run to their end; then the listening socket closes and the process exits with
+status 0 (``DrainingServer``). A second SIGINT (Ctrl+C) quits at once.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from quickdraft.cli import add_model_args
 DEFAULT_DISABLE_BY_BATCH_SIZE = 6
 
 
+NEGATABLE = ("--enable-prefix-caching",)  # switches that are on by default and have a --no- form
+
+
 def register(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
     add_model_args(s)
@@ -48,6 +51,9 @@ def register(sub) -> None:
                    help="on SIGTERM, wait at most this many seconds for requests in flight (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true")
+    from quickdraft.deploy.ray_serve import add_ray_args
+
+    add_ray_args(s)
     s.set_defaults(func=serve)
 
 
@@ -73,12 +79,14 @@ def _json_sets_threshold(raw) -> bool:
         return False
 
 
-def serve(args) -> int:
+def build_engine(args, own_thread: bool):
+    """The engine and its async bridge from ``quickdraft serve``'s flags; ``own_thread``: the
+    engine loop runs in a thread of its own (a Ray Serve replica, a Triton model) rather than on
+    the caller's (``quickdraft serve``, see async_engine.py). Returns (AsyncEngine, ServerSettings)."""
     from quickdraft.config import EngineConfig
     from quickdraft.engine.engine import Engine
     from quickdraft.errors import ConfigError
-    from quickdraft.profile import describe
-    from quickdraft.server.app import ServerSettings, build_app
+    from quickdraft.server.app import ServerSettings
     from quickdraft.server.async_engine import AsyncEngine
     from quickdraft.server.metrics import ServerMetrics
 
@@ -93,15 +101,66 @@ def serve(args) -> int:
     k = spec.num_speculative_tokens if spec.enabled else 0
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY"),
                               spec_method=spec.method, num_speculative_tokens=k)
-    async_engine = AsyncEngine(engine, ServerMetrics(names[0], k), own_thread=False)
-    app = build_app(async_engine, settings)
+    return AsyncEngine(engine, ServerMetrics(names[0], k), own_thread=own_thread), settings
+
+
+def build(args, own_thread: bool):
+    """``build_engine``'s pair and the OpenAI app over them: (AsyncEngine, ServerSettings, FastAPI)."""
+    from quickdraft.server.app import build_app
+
+    async_engine, settings = build_engine(args, own_thread)
+    return async_engine, settings, build_app(async_engine, settings)
+
+
+def args_from_dict(values: dict, context: str) -> argparse.Namespace:
+    """``quickdraft serve``'s flags from a dict whose keys are the flags without their dashes
+    (``_`` or ``-`` alike): a switch takes true or false, ``served_model_name`` names separated by
+    spaces. Parsed by ``quickdraft serve``'s own parser, so that defaults and checks are the same;
+    ``context`` says where the dict came from in the error."""
+    import shlex
+
+    from quickdraft.cli import build_parser
+    from quickdraft.errors import ConfigError
+
+    argv = ["serve"]
+    for key, value in values.items():
+        flag = "--" + str(key).strip("-").replace("_", "-")
+        text = str(value)
+        if isinstance(value, bool) or text.lower() in ("true", "false"):
+            if text.lower() == "true":
+                argv.append(flag)
+            elif flag in NEGATABLE:  # on by default: false must say so
+                argv.append("--no-" + flag[2:])
+            continue
+        argv += [flag, *shlex.split(text)] if flag == "--served-model-name" else [flag, text]
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit:  # argparse has printed what is wrong
+        raise ConfigError(f"bad quickdraft serve arguments in {context}: {argv[1:]}") from None
+
+
+def serve(args) -> int:
+    from quickdraft.profile import describe
+
+    if args.ray:
+        from quickdraft.deploy.ray_serve import serve_on_ray
+
+        return serve_on_ray(args)
+    from quickdraft.deploy.ray_serve import ray_only_flags
+
+    if ray_only_flags(args):
+        from quickdraft.errors import ConfigError
+
+        raise ConfigError(f"{', '.join(ray_only_flags(args))} place Ray Serve replicas: add --ray", "ray")
+    async_engine, settings, app = build(args, own_thread=False)
+    engine, spec, names = async_engine.engine, async_engine.engine.config.speculative, settings.served_model_names
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
     server = DrainingServer(uv, settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     log = logging.getLogger("quickdraft.server")
     log.info("serving %s as %s on http://%s:%d (speculative: %s, K=%d%s, off from batch %s; %d slots, queue %d; "
-             "prefix caching %s)", args.model, names, args.host, args.port, spec.method, k,
+             "prefix caching %s)", args.model, names, args.host, args.port, spec.method, settings.num_speculative_tokens,
              " adaptive" if spec.adaptive else "", spec.disable_by_batch_size, args.max_num_seqs, args.max_queue,
              "on" if args.enable_prefix_caching else "off")
     for name, cost in (("target", engine.runner.target_cost), ("draft", engine.proposer.cost)):
@@ -132,12 +191,38 @@ def run_on_main_thread(server: "DrainingServer", async_engine) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server, which also marks the app as draining when a shutdown signal arrives."""
+    """uvicorn's Server, draining before it closes. On the first SIGTERM (or SIGINT) the app answers
+    new requests with a 503 and Retry-After, and ``/health`` with a 503 (``draining``), so that a load
+    balancer or Kubernetes stops sending here, while the listening socket stays open and the
+    requests in flight run to their end. Once no request is left (or ``--shutdown-timeout`` has
+    passed), uvicorn's own shutdown closes the socket and the process exits. A second SIGINT quits
+    at once."""
+
+    POLL_S = 0.05
 
     def __init__(self, config: uvicorn.Config, settings):
         super().__init__(config)
         self.settings = settings
 
     def handle_exit(self, sig, frame) -> None:
+        if self.settings.draining:  # a second signal: uvicorn's rule (SIGINT forces the exit)
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGINT:
+                super().handle_exit(sig, frame)
+            return
         self.settings.draining = True
-        super().handle_exit(sig, frame)
+        import threading
+
+        threading.Thread(target=self._drain, name="quickdraft-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        import time
+
+        timeout = self.config.timeout_graceful_shutdown
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # server_state.tasks: the HTTP requests being answered (503s last a millisecond)
+        while self.server_state.tasks and not self.should_exit and (deadline is None or time.monotonic() < deadline):
+            time.sleep(self.POLL_S)
+        if deadline is not None:  # what is left of the timeout, for uvicorn's own wait
+            self.config.timeout_graceful_shutdown = max(0.0, deadline - time.monotonic())
+        super().handle_exit(signal.SIGTERM, None)

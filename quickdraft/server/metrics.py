@@ -5,6 +5,14 @@ Terms as in vLLM: a *draft* is one sequence's proposal in one step (K tokens or 
 token is *accepted* when the verifier keeps it; ``..._per_pos{position=j}`` counts acceptances of
 the j-th draft token (0-based). Counters get the ``_total`` suffix in the text format.
 
+Beside quickdraft's own, three gauges carry vLLM's names (``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, with vLLM's ``model_name`` and
+``engine`` labels): they are what an endpoint picker that routes by load reads (llm-d's, the
+Gateway API inference extension's model server protocol), and what vLLM dashboards and HPA rules
+query. ``vllm:gpu_cache_usage_perc``, the name before vLLM 0.10, is kept for older pickers. KV-cache
+usage here is the fraction of KV slots held by running sequences: each holds one slot of
+``max_model_len`` positions for its whole life, so at 1 a new request waits.
+
 Every metric lives in this object's own ``CollectorRegistry``, never the process-global one, so
 that two servers (or tests) in one process do not share counters. prometheus_client is thread
 safe: the engine thread updates token and speculative counters, the event loop counts refusals.
@@ -57,6 +65,17 @@ class ServerMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
         self.running = Gauge("quickdraft:num_requests_running", "Sequences decoding.", lbl, registry=r)
         self.waiting = Gauge("quickdraft:num_requests_waiting", "Sequences waiting for a KV slot.", lbl, registry=r)
+        # vLLM's names for the gauges a load-aware router reads (the module's note)
+        vllm = ["model_name", "engine"]
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests decoding (vLLM's name).", vllm, registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a KV slot (vLLM's name).", vllm,
+                                  registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (the fraction of KV slots held by "
+                                   "running sequences). 1 means 100 percent usage.", vllm, registry=r)
+        self.vllm_gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 means 100 percent. "
+                                          "DEPRECATED in vLLM: vllm:kv_cache_usage_perc is the same.", vllm, registry=r)
+        for g in (self.vllm_running, self.vllm_waiting, self.vllm_kv_usage, self.vllm_gpu_cache_usage):
+            g.labels(model_name, "0").set(0)
         self.ttft = Histogram("quickdraft:time_to_first_token_seconds", "Arrival to first token.", lbl,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("quickdraft:time_per_output_token_seconds",
@@ -119,9 +138,16 @@ class ServerMetrics:
         else:
             self.failure("abort" if out.finish_reason == "abort" else "error")
 
-    def set_queue(self, running: int, waiting: int) -> None:
-        self.running.labels(self._model).set(running)
-        self.waiting.labels(self._model).set(waiting)
+    def set_queue(self, running: int, waiting: int, kv_usage: float | None = None) -> None:
+        """The scheduler's state; ``kv_usage``: the fraction of KV slots held (None: unchanged)."""
+        m = self._model
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        self.vllm_running.labels(m, "0").set(running)
+        self.vllm_waiting.labels(m, "0").set(waiting)
+        if kv_usage is not None:
+            self.vllm_kv_usage.labels(m, "0").set(kv_usage)
+            self.vllm_gpu_cache_usage.labels(m, "0").set(kv_usage)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

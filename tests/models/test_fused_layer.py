@@ -1,10 +1,10 @@
 """kernels/layer.cpp runs a decoder layer in one call; it must be the Python path bit for bit.
 
 Both paths run the same passes on their own KV caches (several sequences, chains of 1 to 32 new
-tokens, a partial-depth pass as self-speculation runs), with dense float32 and bfloat16 weights
-and with every GGUF block format; hidden states and caches must be equal, not close. Where the
-fused path does not apply (token trees, long prefills, the int8 draft format) the decoder must
-take the Python path."""
+tokens, token trees beside chains, a partial-depth pass as self-speculation runs), with dense
+float32 and bfloat16 weights and with every GGUF block format; hidden states and caches must be
+equal, not close. Where the fused path does not apply (long prefills, the int8 draft format) the
+decoder must take the Python path."""
 
 from __future__ import annotations
 
@@ -66,18 +66,41 @@ def run(decoder: Decoder, fused: bool, passes) -> tuple[list[torch.Tensor], KVCa
     try:
         for meta, layers in passes:
             tokens = torch.arange(sum(meta.query_lens)) * 7 % decoder.config.vocab_size
-            outs.append(decoder.forward(tokens, meta.positions("cpu"), kv, meta, num_layers=layers))
+            outs.append(decoder.forward(tokens, positions(meta), kv, meta, num_layers=layers))
     finally:
         decoder._fused = keep
     return outs, kv
 
 
+def positions(meta: AttentionMetadata) -> torch.Tensor:
+    """Chains: ctx, ctx + 1, ...; a tree's node: ctx + its depth (its ancestors among the new tokens)."""
+    out = []
+    for i, (ctx, qlen) in enumerate(zip(meta.context_lens, meta.query_lens)):
+        mask = meta.masks[i] if meta.masks is not None else None
+        out.append(ctx + (mask.sum(1) - 1 if mask is not None else torch.arange(qlen)))
+    return torch.cat(out)
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """Node i's parent is parents[i] (-1: the root) -> [n, n] bool, True where a node sees another."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+# a root and two branches of 2 and 3 nodes: what a verification pass of num_branches=2 holds
+TREE = tree_mask([-1, 0, 1, 0, 3, 4])
 PASSES = [
     (AttentionMetadata.chain([0, 2], [0, 0], [40, 9]), None),  # prefills (40 rows: the Python path in both)
     (AttentionMetadata.chain([0, 2], [40, 9], [1, 5]), None),  # a plain step and a verification pass together
     (AttentionMetadata.chain([1], [0], [32]), None),  # the longest chain attended row by row
     (AttentionMetadata.chain([2], [14], [3]), 1),  # the first layer only (self-speculation's draft)
     (AttentionMetadata.chain([0, 1, 2], [41, 32, 17], [4, 1, 2]), None),
+    (AttentionMetadata([0, 1, 2], [45, 33, 19], [6, 2, 6], [TREE, None, tree_mask([-1, 0, 0, 1, 2, 2])]), None),  # trees beside a chain
+    (AttentionMetadata([1], [35], [6], [TREE]), 1),  # a tree through the first layer only
 ]
 
 
@@ -96,20 +119,19 @@ def test_fused_layer_is_the_python_path_bit_for_bit(dtype, layout):
         assert torch.equal(kv_fused.values[layer], kv_python.values[layer])
 
 
-def test_fused_layer_is_used_only_for_chains():
+def test_fused_layer_is_used_for_chains_and_trees_not_long_prefills():
     decoder = model(torch.float32, None)
     calls = []
     original = decoder._fused_block
     decoder._fused_block = lambda *a: calls.append(1) or original(*a)
     kv = KVCache(decoder.config, 1, 128, decoder.dtype)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two branches after a root
-    for meta in (AttentionMetadata.chain([0], [0], [33]), AttentionMetadata([0], [33], [3], [tree])):
-        decoder.forward(torch.zeros(sum(meta.query_lens), dtype=torch.long),
-                        torch.arange(meta.context_lens[0], meta.context_lens[0] + meta.query_lens[0]), kv, meta)
-    assert not calls  # a 33-row prefill and a token tree take the Python path
-    meta = AttentionMetadata.chain([0], [36], [2])
-    decoder.forward(torch.zeros(2, dtype=torch.long), meta.positions("cpu"), kv, meta)
-    assert len(calls) == decoder.num_layers
+    meta = AttentionMetadata.chain([0], [0], [33])
+    decoder.forward(torch.zeros(33, dtype=torch.long), meta.positions("cpu"), kv, meta)
+    assert not calls  # a 33-row prefill takes the Python path
+    for meta in (AttentionMetadata([0], [33], [3], [tree]), AttentionMetadata.chain([0], [36], [2])):
+        decoder.forward(torch.zeros(sum(meta.query_lens), dtype=torch.long), positions(meta), kv, meta)
+    assert len(calls) == 2 * decoder.num_layers  # a token tree and a chain: one call a layer
 
 
 def test_int8_draft_keeps_the_python_path():
@@ -127,6 +149,6 @@ def test_many_weights_in_one_call_are_one_call_each(rows):
     many = block_linear().linear_blocks_many(x, [w.data for w in ws], ws[0].format.kind, 512, biases)
     for w, b, y in zip(ws, biases, many):
         assert torch.equal(y, w.linear(x, b))
-    with pytest.raises(RuntimeError, match="bytes a row"):  # one format and one K, or a clear error
+    with pytest.raises(RuntimeError, match="bytes a tile"):  # one format and one K, or a clear error
         block_linear().linear_blocks_many(x, [ws[0].data, random_block_weight("Q4_K", (8, 256), rng).data],
                                                 ws[0].format.kind, 512, [None, None])

@@ -37,9 +37,9 @@ def gguf_reference(kind: str, raw: np.ndarray, shape) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
-# (72, 768): three K-quant super-blocks a row, so 24 blocks of 32 (a group of 16 and a tail group
-# of 8) or 48 of 16 (Q6_K: three groups); 72 rows: 18 weight tiles of 4. (6, 160): a row of 5
-# blocks, all in one tail group, and a tile of 4 plus 2 rows alone.
+# (72, 768): three K-quant super-blocks a row (24 blocks of 32, or 48 of 16 for Q6_K); 72 rows:
+# four tiles of 16 rows and a fifth of 8, padded with zero rows. (6, 160): a row of 5 blocks, and
+# one tile of 6 rows.
 SHAPES = [(kind, (72, 768)) for kind in sorted(BLOCKS)] + [(kind, (6, 160)) for kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0")]
 
 
@@ -56,6 +56,8 @@ def test_repacked_values_dequantize_exactly(weight):
     assert torch.equal(w.dequantize(torch.float32), ref)
     rows = torch.tensor([5, 0, w.shape[0] - 1])
     assert torch.equal(w.dequantize(torch.float32, rows=rows), ref[rows])
+    picked = w.select(rows)  # repacked in that order (a truncated head, llama's q/k permutation)
+    assert picked.shape == (3, w.shape[1]) and torch.equal(picked.dequantize(torch.float32), ref[rows])
 
 
 @pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-VNNI: the fallback runs")

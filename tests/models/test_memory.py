@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not memory.supported(), reason="no transparent h
 def test_weights_are_moved_unchanged_and_a_tied_tensor_once():
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(300, 128, generator=g).to(torch.bfloat16)
-    block = BlockWeight("Q8_0", torch.randint(0, 255, (64, 1088), dtype=torch.uint8, generator=g), 1024)  # 2 records of 544 bytes a row
+    block = BlockWeight("Q8_0", torch.randint(0, 255, (4, 17408), dtype=torch.uint8, generator=g), 1024, 64)  # 4 tiles of 16 rows
     small = torch.ones(8)
     weights = {"embed": embed, "head": embed, "blocks": block, "norm": small}
     want = {"embed": embed.clone(), "data": block.data.clone()}

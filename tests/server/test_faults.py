@@ -1,6 +1,6 @@
 """Overload and faults against a separate server process: a full queue answers 429 with
 Retry-After; a client that disconnects (streaming or not) frees its KV slot at once; SIGTERM lets
-the requests in flight finish and exits 0."""
+the requests in flight finish while new ones get a 503, and exits 0."""
 
 from __future__ import annotations
 
@@ -118,6 +118,9 @@ def test_nonstream_disconnect_frees_slot(small_server):
 
 
 def test_sigterm_drains_in_flight_then_exits_0():
+    """What Kubernetes needs within terminationGracePeriodSeconds: after SIGTERM, /health and new
+    requests get a 503 (OpenAI's format, Retry-After) so that the pod leaves the Service, while the
+    requests in flight (running and queued) run to their end; then the socket closes, exit 0."""
     server = ServerProcess("--max-num-seqs", "2", log_name="sigterm")
     try:
         server.wait_ready()
@@ -136,20 +139,22 @@ def test_sigterm_drains_in_flight_then_exits_0():
                 tasks = [asyncio.create_task(stream_one(c, o)) for o in outs]
                 await _wait_health(server, running=2, waiting=1)  # two decoding, one queued
                 server.proc.send_signal(15)
-                # the listening socket closes: new connections are refused
-                deadline = time.monotonic() + 10
-                while True:
-                    try:
-                        async with httpx.AsyncClient(timeout=2) as fresh:
-                            await fresh.get(server.url + "/health")
-                    except httpx.TransportError:
-                        break
-                    assert time.monotonic() < deadline, "still accepting after SIGTERM"
-                    await asyncio.sleep(0.05)
+                async with httpx.AsyncClient(timeout=10) as fresh:  # a new connection: still accepted
+                    deadline = time.monotonic() + 10
+                    while (h := await fresh.get(server.url + "/health")).status_code == 200:
+                        assert time.monotonic() < deadline, "still healthy after SIGTERM"
+                        await asyncio.sleep(0.02)
+                    assert h.status_code == 503 and h.json()["status"] == "draining"
+                    late = await fresh.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 2},
+                                            headers=server.headers)
+                still_running = not all(t.done() for t in tasks)
                 await asyncio.gather(*tasks)
-            return outs
+            return outs, late, still_running
 
-        outs = asyncio.run(run())
+        outs, late, still_running = asyncio.run(run())
+        assert still_running  # the 503s above came while the requests in flight ran on
+        assert late.status_code == 503 and late.headers["retry-after"]
+        assert late.json()["error"]["type"] == "service_unavailable"
         for lines in outs:
             assert lines[-1] == "[DONE]"
             last = json.loads(lines[-2])
@@ -158,6 +163,8 @@ def test_sigterm_drains_in_flight_then_exits_0():
             assert text.strip()
         assert server.proc.wait(60) == 0, server.log()
         assert "Traceback" not in server.log()
+        with pytest.raises(httpx.TransportError):  # drained and gone: the socket is closed
+            httpx.get(server.url + "/health", timeout=2)
     finally:
         server.stop()
 

@@ -62,3 +62,12 @@ def test_concurrent_requests_sharing_a_system_prompt(plain_client, uncached_clie
     uncached = [ask(uncached_client, q) for q in questions]
     assert [a for a, _ in cached] == [a for a, _ in uncached]
     assert any(n > 0 for _, n in cached)  # the system prompt, from a slot that held it already
+
+
+def test_a_config_dict_turns_the_cache_off():
+    """Ray Serve's builder and Triton's config.pbtxt pass the serve flags as a dict."""
+    from quickdraft.server.cli import args_from_dict
+
+    assert args_from_dict({"model": MODEL, "enable_prefix_caching": False}, "test").enable_prefix_caching is False
+    assert args_from_dict({"model": MODEL, "enable-prefix-caching": "true"}, "test").enable_prefix_caching is True
+    assert args_from_dict({"model": MODEL}, "test").enable_prefix_caching is True

@@ -108,7 +108,7 @@ def rowwise():
 
 
 def fused_layer():
-    """The compiled ``decoder_layer`` (one decoder layer for chains of new tokens in one call; see
+    """The compiled ``decoder_layer`` (one decoder layer for chains or trees of new tokens in one call; see
     layer.cpp), or None."""
     module = _module()
     return None if module is None else module.decoder_layer

@@ -30,5 +30,6 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torc
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
                             std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
-                            std::vector<int64_t> context_lens, std::vector<int64_t> query_lens, int64_t heads, int64_t kv_heads,
-                            double eps, double scale);
+                            std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
+                            std::vector<c10::optional<torch::Tensor>> tree_starts, std::vector<c10::optional<torch::Tensor>> tree_paths,
+                            int64_t heads, int64_t kv_heads, double eps, double scale);

@@ -1,4 +1,4 @@
-// One decoder layer (models/decoder.py's Decoder._block) for chains of new tokens, in one call.
+// One decoder layer (models/decoder.py's Decoder._block) for chains or token trees of new tokens, in one call.
 //
 // Written by hand because at one row a decoding step is dozens of small operations a layer, each
 // a trip through the Python interpreter and torch's dispatcher. Measured against the Python path,
@@ -6,7 +6,7 @@
 // draft's one-row step 17.6 -> 16.0 ms, the 1.5B's 40.4 -> 39.5 and 40.5 -> 36.9 ms (two runs).
 // This is the same sequence of the same kernels (linear.cpp, blocks.cpp, rowwise.cpp,
 // attention.cpp) and of the same torch operations (silu, mul, add), in the same order, so its
-// output is bit for bit that of the Python path, which stays for token trees, long prefills, the
+// output is bit for bit that of the Python path, which stays for long prefills, the
 // int8 draft format, CUDA and CPUs without the kernels (tests/models/test_fused_layer.py).
 #include <torch/extension.h>
 
@@ -50,14 +50,19 @@ std::vector<torch::Tensor> project_all(const torch::Tensor& x, const std::vector
 // x [n, hidden]; positions [n]; w: input norm, q, k, v, o, post-attention norm, gate, up, down;
 // kinds: the 7 projections' (DENSE or a block format); biases: q, k, v's; kcache, vcache: this
 // layer's [slots, kv_heads, max_len, d]; sequence i's query_lens[i] rows are its new tokens at
-// positions context_lens[i].. of slot slots[i] (a causal chain) -> x after the layer
+// positions context_lens[i].. of slot slots[i]: a causal chain, or where tree_starts[i] and
+// tree_paths[i] are given a token tree (row j sees the new tokens tree_paths[i][start[j] ..
+// start[j + 1]], attention.cpp's attend_tree) -> x after the layer
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
                             std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
-                            std::vector<int64_t> context_lens, std::vector<int64_t> query_lens, int64_t heads, int64_t kv_heads,
-                            double eps, double scale) {
+                            std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
+                            std::vector<c10::optional<torch::Tensor>> tree_starts, std::vector<c10::optional<torch::Tensor>> tree_paths,
+                            int64_t heads, int64_t kv_heads, double eps, double scale) {
   TORCH_CHECK(w.size() == 9 && kinds.size() == 7 && biases.size() == 3, "9 weights, 7 kinds, 3 biases");
-  TORCH_CHECK(slots.size() == context_lens.size() && slots.size() == query_lens.size(), "one slot, context and length a sequence");
+  TORCH_CHECK(slots.size() == context_lens.size() && slots.size() == query_lens.size() && slots.size() == tree_starts.size() &&
+                  slots.size() == tree_paths.size(),
+              "one slot, context, length and tree (or None) a sequence");
   TORCH_CHECK(kcache.dim() == 4 && kcache.sizes() == vcache.sizes(), "caches [slots, kv_heads, max_len, d]");
   const int64_t n = x.size(0), d = kcache.size(3);
   int64_t rows = 0;
@@ -80,8 +85,14 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vecto
     const torch::Tensor keys = kcache.select(0, slots[i]), values = vcache.select(0, slots[i]);  // [kv_heads, max_len, d]
     keys.narrow(1, ctx, len).copy_(k.narrow(0, start, len).transpose(0, 1));
     values.narrow(1, ctx, len).copy_(v.narrow(0, start, len).transpose(0, 1));
-    out.push_back(attend_chain(q.narrow(0, start, len).to(torch::kFloat32), keys.narrow(1, 0, ctx + len),
-                               values.narrow(1, 0, ctx + len), ctx, scale));
+    const torch::Tensor qi = q.narrow(0, start, len).to(torch::kFloat32);
+    const torch::Tensor ki = keys.narrow(1, 0, ctx + len), vi = values.narrow(1, 0, ctx + len);
+    if (tree_starts[i].has_value()) {
+      TORCH_CHECK(tree_paths[i].has_value(), "sequence ", i, ": a tree's starts without its paths");
+      out.push_back(attend_tree(qi, ki, vi, ctx, *tree_starts[i], *tree_paths[i], scale));
+    } else {
+      out.push_back(attend_chain(qi, ki, vi, ctx, scale));
+    }
     start += len;
   }
   const torch::Tensor attn = (out.size() == 1 ? out[0] : torch::cat(out)).to(x.scalar_type());

@@ -204,5 +204,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's");
   m.def("rotary", &rotary, "rotate-half rotary embedding of each row");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
-  m.def("decoder_layer", &decoder_layer, "one decoder layer for chains of new tokens: the Python path's kernels in one call");
+  m.def("decoder_layer", &decoder_layer, "one decoder layer for chains or token trees of new tokens: the Python path's kernels in one call");
 }
