@@ -338,7 +338,7 @@ def advise(args) -> int:
         "model": args.model, "prompts_source": Path(args.prompts).name, "num_prompts": len(kept),
         "skipped_prompts": len(prompts) - len(kept), "max_tokens": args.max_tokens, "dtype": args.dtype,
         "k": args.num_speculative_tokens, "batch_sizes": batches, "memory_budget_bytes": budget,
-        "machine": f"{cpu_model()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}",
         "command": command(args),
         "duration_s": time.time() - started,
     })
