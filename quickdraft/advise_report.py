@@ -77,8 +77,10 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         + f" ({result['context_tokens']}-token contexts); measured peak RSS {base['peak_rss_mib']:.0f} MiB.", ""]
     lines += ["## Drafters at the planner's K", "",
               f"K up to {result['k']}, chosen each step by the engine's adaptive planner (engine/cost.py); "
-              "speedup is tokens/s over plain decoding at the same batch size, prompt passes included.", ""]
-    head = ["drafter", "planned K", "acceptance", "tokens/pass", "acceptance by position"] + [
+              "*drafted*: tokens a draft held on average (the planner's K, or fewer where the drafter found "
+              "fewer); acceptance and tokens per target pass at batch 1; speedup is tokens/s over plain decoding "
+              "at the same batch size, prompt passes included.", ""]
+    head = ["drafter", "drafted", "acceptance", "tokens/pass", "acceptance by position"] + [
         f"speedup @{b}" for b in result["batch_sizes"]] + ["adds (MiB)"]
     rows = []
     for d in result["drafters"]:
