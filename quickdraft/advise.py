@@ -41,7 +41,6 @@ class Drafter:
 
     name: str
     spec: dict | None
-    draft: str | None = None  # the draft model's name (draft_model)
 
 
 @dataclass
@@ -68,7 +67,7 @@ class Run:
                 "tokens_per_second": self.tokens_per_second,
                 "ttft_p50_s": median(self.ttft_s) if self.ttft_s else None,
                 "tpot_p50_s": median(self.tpot_s) if self.tpot_s else None,
-                "planned_k": s.num_draft_tokens / drafts if drafts else 0.0, **s.to_dict()}
+                "mean_draft_length": s.num_draft_tokens / drafts if drafts else 0.0, **s.to_dict()}
 
 
 def drafters(methods: list[str], draft_models: list[str], k: int) -> list[Drafter]:
@@ -80,7 +79,7 @@ def drafters(methods: list[str], draft_models: list[str], k: int) -> list[Drafte
             raise ConfigError(f"advise measures ngram, suffix and draft models (--draft-model), not {m!r}", "methods")
         out.append(Drafter(m, {"method": m, "num_speculative_tokens": k}))
     for d in draft_models:
-        out.append(Drafter(f"draft_model ({d})", {"method": "draft_model", "model": d, "num_speculative_tokens": k}, d))
+        out.append(Drafter(f"draft_model ({d})", {"method": "draft_model", "model": d, "num_speculative_tokens": k}))
     if len(out) == 1:
         raise ConfigError("nothing to compare: give --methods and/or --draft-model", "methods")
     return out

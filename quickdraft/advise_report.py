@@ -85,7 +85,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     rows = []
     for d in result["drafters"]:
         r1 = d["runs"][0]
-        rows.append([d["name"], f"{r1['planned_k']:.1f}", f"{r1['acceptance_rate']:.0%}", f"{r1['mean_accepted_length']:.2f}",
+        rows.append([d["name"], f"{r1['mean_draft_length']:.1f}", f"{r1['acceptance_rate']:.0%}", f"{r1['mean_accepted_length']:.2f}",
                      " ".join(f"{a:.2f}" for a in r1["accepted_per_position"]) or "-"]
                     + [f"{d['speedup'][str(b)]:.2f}x" for b in result["batch_sizes"]]
                     + [_mib(max(m["added"] for m in d["memory"].values()))])
