@@ -14,11 +14,11 @@ from quickdraft.errors import ConfigError
 MIB = 2**20
 
 
-def drafter(name, speedups: dict, added_mib: float = 1.0, acceptance: float = 0.5) -> dict:
+def drafter(name, speedups: dict, added_mib: float = 1.0, acceptance: float = 0.5, per_pass: float = 2.5) -> dict:
     return {"name": name, "spec": {"method": name, "num_speculative_tokens": 8},
             "speedup": {str(b): s for b, s in speedups.items()},
             "memory": {str(b): {"added": int(added_mib * MIB)} for b in speedups},
-            "runs": [{"acceptance_rate": acceptance, "mean_accepted_length": 1.5}]}
+            "runs": [{"acceptance_rate": acceptance, "mean_accepted_length": per_pass}]}
 
 
 def result(*ds, answer=100.0, headroom=1.2) -> dict:
@@ -42,6 +42,14 @@ def test_dont_speculate_below_the_threshold_and_say_why():
     assert not v["speculate"] and v["speculative_config"] is None
     assert v["text"].startswith("don't speculate: ngram measured")
     assert "acceptance 10%" in v["text"] and "answers are short (median 12 tokens)" in v["text"]
+
+
+def test_a_speedup_its_tokens_per_pass_cannot_explain_is_noise():
+    r = result(drafter("ngram", {1: 1.21, 4: 1.0}, acceptance=0.03, per_pass=1.01),
+               drafter("draft_model", {1: 1.16, 4: 1.02}, per_pass=3.29))
+    v = decide(r, budget=None)
+    assert v["drafter"] == "draft_model"
+    assert any("with 1.01 tokens a pass it cannot beat 1.01x" in reason for reason in v["reasons"])
 
 
 def test_waves_and_drafters():
