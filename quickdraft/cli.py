@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_models)
 
     # The server and the bench register their own subcommands (their imports stay light).
-    from quickdraft import check, profile
+    from quickdraft import advise, check, profile
     from quickdraft.bench import cli as bench_cli
     from quickdraft.server import cli as server_cli
     from quickdraft.train import cli as train_cli
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.register(sub)
     check.register(sub)
     train_cli.register(sub)
+    advise.register(sub)
     return parser
 
 

@@ -204,8 +204,17 @@ class EngineConfig:
     # draft, multiplied by the CPU kernels of models/kernels/blocks.cpp; "none" (or None):
     # dequantized to dtype; "auto": "gguf" where those kernels run (models/loader.py)
     quantization: str | None = "auto"
+    # A new prompt (the next chat turn, a shared system prompt) starts from the longest prefix it
+    # shares with the tokens a KV slot holds, the target's and the draft's (engine/prefix_cache.py).
+    # Outputs are the same either way where the decoder is batch invariant (its ``batch_invariance``
+    # says where: the CPU paths): a key computed in any pass equals the one a prompt pass computes.
+    # Where it is not (cuBLAS), a reused key may differ from a recomputed one in rounding, as in vLLM.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
+                              "enable_prefix_caching")
         if self.quantization not in (None, "none", "gguf", "auto"):
             raise ConfigError(f'quantization must be "auto", "gguf", "none" or null, got {self.quantization!r}', "quantization")
         if self.dtype not in DTYPES:

@@ -39,6 +39,14 @@ class KVCache:
         """The first ``length`` positions: two [num_kv_heads, length, head_dim] views."""
         return self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length]
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Positions 0 .. length-1 of slot ``src`` into slot ``dst``, every layer (the prefix cache,
+        engine/prefix_cache.py: a prefix held by a running sequence's slot, shared with a new one)."""
+        if src == dst or length <= 0:
+            return
+        for cache in (*self.keys, *self.values):
+            cache[dst, :, :length] = cache[src, :, :length]
+
     def keep_path(self, slot: int, start: int, nodes: list[int]) -> None:
         """After a token-tree pass wrote node i's keys and values at position start + i of
         ``slot``: move the accepted path's nodes (increasing, verify/tree.py's ``path``) to

@@ -19,11 +19,12 @@ from quickdraft.sampling import SamplingParams
 class LLM:
     def __init__(self, model: "str | LoadedModel", speculative_config: "dict | str | SpeculativeConfig | None" = None,
                  dtype: str = "bfloat16", device: str = "cpu", max_model_len: int | None = None,
-                 max_num_seqs: int = 8, quantization: str | None = "auto"):
+                 max_num_seqs: int = 8, quantization: str | None = "auto", enable_prefix_caching: bool = True):
         name = model if isinstance(model, str) else model.source
         config = EngineConfig(
             model=name, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_queue=1 << 30, speculative=SpeculativeConfig.parse(speculative_config), quantization=quantization,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = Engine(config, target=None if isinstance(model, str) else model)
         self.tokenizer = self.engine.tokenizer

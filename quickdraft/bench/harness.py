@@ -228,8 +228,11 @@ class Harness:
         from quickdraft import LLM
 
         c = self.config
+        # The prefix cache stays off: a prompt is run once per variant, seed and repeat, and every
+        # run must pay its whole prompt pass as the first did, or repeats would time another thing.
         return {v.name: LLM(target, speculative_config=v.spec(drafts.get(v.draft)), dtype=c.dtype, device=c.device,
-                            max_model_len=c.max_model_len, max_num_seqs=1) for v in c.variants}
+                            max_model_len=c.max_model_len, max_num_seqs=1, enable_prefix_caching=False)
+                for v in c.variants}
 
     def _params(self, seed: int | None, max_tokens: int | None = None) -> SamplingParams:
         c = self.config

@@ -14,6 +14,7 @@ import time
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.cost import Acceptance, calibrate, expected_tokens, plan_draft_lengths
+from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
 from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
@@ -55,7 +56,8 @@ class Engine:
         # the target's pass cost by rows, timed on slot 0 before any sequence holds it
         target_cost = calibrate(self.decoder, self.kv) if spec.enabled and spec.adaptive else None
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_queue)
+        self.prefix_cache = PrefixCache(config.max_num_seqs, enabled=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_queue, self.prefix_cache)
         self.stats = SpecStats()  # the whole run's counters
         self.acceptance = Acceptance(decay=0.99)  # every sequence's drafts: the prior for a new one
         self._ids = itertools.count()
@@ -102,8 +104,16 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        self._reuse_prefixes()
         results = self.runner.step(seqs, self._num_draft(seqs), self._forced_room(seqs))
         return [self._postprocess(r) for r in results]
+
+    def _reuse_prefixes(self) -> None:
+        """For each sequence admitted this step, in admission order: its cached prefix copied into
+        its slot where it came from another (engine/prefix_cache.py), the proposer told the same."""
+        for seq, placed in self.scheduler.take_placements():
+            self.kv.copy_prefix(placed.source, placed.slot, placed.num_tokens)
+            self.proposer.reuse(seq, placed.source, placed.num_tokens)
 
     def draft_cap(self, params: SamplingParams) -> int:
         """The most draft tokens a step a request with ``params`` may take: the engine's K, or

@@ -111,6 +111,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one a token of token_ids, when the request asked for them
     new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one a prompt token (the first: None), if asked
+    num_cached_tokens: int = 0  # prompt tokens whose keys came from the prefix cache (vLLM's name)
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens of token_ids whose keys/values are in the target's cache
+    num_reused: int = 0  # of the prompt's, those found in the prefix cache at admission
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
@@ -174,4 +176,5 @@ class Sequence:
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=self.finish_time,
             logprobs=list(self.output_logprobs) if wanted else None,
             new_logprobs=self.output_logprobs[start:] if wanted else None, prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_reused,
         )

@@ -35,7 +35,7 @@ from quickdraft.models.quant import Int8Weight, quantize_weights
 
 ROW_MULTIPLE = 4
 CHAIN_HEAD_DIMS = range(16, 257, 16)  # head sizes kernels/attention.cpp takes
-MAX_ROW_BY_ROW = 32  # a chain of at most this many new tokens attends row by row (see _attention)
+MAX_ROW_BY_ROW = 32  # without the kernels, a chain of at most this many new tokens attends row by row (_attention)
 
 
 @dataclass
@@ -291,8 +291,12 @@ class Decoder:
         depends on its length. A chain's token j therefore attends over exactly its own
         ctx + j + 1 keys, as it would when decoded alone, and a token tree's row over its context
         and its own path (kernels/attention.cpp's attend_tree: the bits of the chain with that
-        history); only long prefills (which plain and speculative decoding share), and trees
-        where the kernels do not run, take one masked matmul for all rows."""
+        history). The kernel takes chains of any length, prompts too: a key is then the same
+        whichever pass computed it, a prompt pass, a decoding step or a verification pass, which
+        is what lets the prefix cache (engine/prefix_cache.py) reuse keys without changing a
+        token. Where the kernels do not run, long prefills and trees take one masked matmul for
+        all rows (invariant no longer: plain and speculative decoding share the prompt's pass,
+        but a reused prefix may differ from a recomputed one in rounding)."""
         out = []
         start = 0
         kernel = chain_attention() if q.device.type == "cpu" and self.config.head_dim in CHAIN_HEAD_DIMS else None
@@ -304,10 +308,10 @@ class Decoder:
             if tree and kernel is not None:  # each row over its own path, as a chain (kernels/attention.cpp)
                 start_idx, path = self._paths(meta.masks[i])
                 out.append(tree_attention()(q[start:end].float(), keys, values, ctx, start_idx, path, self.scale))
+            elif kernel is not None and not tree:  # each row over its own keys, one call (kernels/attention.cpp)
+                out.append(kernel(q[start:end].float(), keys, values, ctx, self.scale))
             elif tree or qlen > MAX_ROW_BY_ROW:
                 out.append(self._attend(q[start:end], keys.float(), values.float(), self._mask(meta, i, ctx, qlen, q.device)))
-            elif kernel is not None:  # the same, one call (kernels/attention.cpp)
-                out.append(kernel(q[start:end].float(), keys, values, ctx, self.scale))
             else:
                 keys, values = keys.float(), values.float()
                 for j in range(qlen):

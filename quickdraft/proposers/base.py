@@ -68,8 +68,15 @@ class Proposer(Protocol):
     def catchup_rows(self, seq: "Sequence") -> int:
         """Tokens the proposer must read for this sequence before its first draft token."""
 
+    def reuse(self, seq: "Sequence", source: int, num_tokens: int) -> None:
+        """``seq`` was just admitted to ``seq.slot``, and its first ``num_tokens`` prompt tokens are
+        those whose keys slot ``source`` holds (the prefix cache, engine/prefix_cache.py; ``source``
+        is ``seq.slot`` when reused in place, and ``num_tokens`` 0 on a miss). A proposer with its
+        own KV cache keeps (or copies) what it holds of that prefix and forgets the rest of the slot."""
+
     def release(self, seq: "Sequence") -> None:
-        """The sequence finished or was aborted: drop its state."""
+        """The sequence finished or was aborted: drop its per-sequence state (a proposer's KV
+        stays, for ``reuse``)."""
 
     def close(self) -> None:
         """The engine is shutting down: write what must outlive the process (suffix's cache)."""

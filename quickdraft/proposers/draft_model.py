@@ -6,7 +6,9 @@ greedy) and hands q on, so that the verifier's min(1, p/q) rule keeps the output
 target's. The draft's cache is indexed by the same slot as the target's. ``_cached[slot]`` counts
 the sequence's tokens whose keys are in the draft cache; a pass feeds it everything after that, so
 after a rejection (or after the bonus token) the draft catches up in the first pass of the next
-proposal, with no copy and no recomputation of what it already holds.
+proposal, with no copy and no recomputation of what it already holds. A finished sequence's draft
+keys stay in its slot with ``_cached[slot]`` for the prefix cache (engine/prefix_cache.py): a new
+prompt that shares a prefix with them keeps them (``reuse``), in place or copied like the target's.
 
 Three options trade nothing but speed: ``draft_confidence_threshold`` ends a sequence's draft
 early once the draft's own probability of its token drops below it, ``quantization`` runs the
@@ -147,8 +149,15 @@ class DraftModelProposer:
         # after a draft with no rejection, or steps without drafting, the draft is behind by more than 1
         return max(len(seq) - self._cached[seq.slot] - 1, 0)
 
+    def reuse(self, seq, source, num_tokens) -> None:
+        # The source slot's draft keys cover its first _cached[source] committed tokens (clamped
+        # to the committed ones by observe), of which the prompt shares num_tokens.
+        held = min(self._cached[source], num_tokens)
+        self.kv.copy_prefix(source, seq.slot, held)
+        self._cached[seq.slot] = held
+
     def release(self, seq) -> None:
-        self._cached[seq.slot] = 0
+        pass  # the slot's draft keys stay for reuse; _cached[slot] says how many are valid
 
     def close(self) -> None:
         pass

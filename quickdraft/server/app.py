@@ -512,6 +512,9 @@ class _Reply:
         s = self.settings
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
+                # OpenAI's field: prompt tokens served from the prefix cache (the first choice's prompt:
+                # the others share it, and the usage counts the prompt once)
+                "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens if outs else 0},
                 "speculative": {"method": s.spec_method, "num_speculative_tokens": self.num_speculative_tokens,
                                 "num_drafts": spec.drafts_per_position[0] if spec.drafts_per_position else 0,
                                 **spec.to_dict()}}

@@ -27,6 +27,9 @@ from quickdraft.cli import add_model_args
 DEFAULT_DISABLE_BY_BATCH_SIZE = 6
 
 
+NEGATABLE = ("--enable-prefix-caching",)  # switches that are on by default and have a --no- form
+
+
 def register(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
     add_model_args(s)
@@ -41,6 +44,9 @@ def register(sub) -> None:
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="turn speculation off for a step whose running batch has at least this many sequences "
                         f"(0: never; default: the JSON key, else never when adaptive, else {DEFAULT_DISABLE_BY_BATCH_SIZE})")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request (the next chat turn) reuses the KV cache of the longest prefix it shares with "
+                        "what the engine holds; outputs are the same either way (default: on)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, wait at most this many seconds for requests in flight (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -89,7 +95,7 @@ def build_engine(args, own_thread: bool):
     spec = speculative_config(args)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, speculative=spec,
-                          quantization=args.quantization)
+                          quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching)
     engine = Engine(config)
     names = args.served_model_name or [args.model]
     k = spec.num_speculative_tokens if spec.enabled else 0
@@ -123,6 +129,8 @@ def args_from_dict(values: dict, context: str) -> argparse.Namespace:
         if isinstance(value, bool) or text.lower() in ("true", "false"):
             if text.lower() == "true":
                 argv.append(flag)
+            elif flag in NEGATABLE:  # on by default: false must say so
+                argv.append("--no-" + flag[2:])
             continue
         argv += [flag, *shlex.split(text)] if flag == "--served-model-name" else [flag, text]
     try:
@@ -151,9 +159,10 @@ def serve(args) -> int:
     server = DrainingServer(uv, settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     log = logging.getLogger("quickdraft.server")
-    log.info("serving %s as %s on http://%s:%d (speculative: %s, K=%d%s, off from batch %s; %d slots, queue %d)",
-             args.model, names, args.host, args.port, spec.method, settings.num_speculative_tokens,
-             " adaptive" if spec.adaptive else "", spec.disable_by_batch_size, args.max_num_seqs, args.max_queue)
+    log.info("serving %s as %s on http://%s:%d (speculative: %s, K=%d%s, off from batch %s; %d slots, queue %d; "
+             "prefix caching %s)", args.model, names, args.host, args.port, spec.method, settings.num_speculative_tokens,
+             " adaptive" if spec.adaptive else "", spec.disable_by_batch_size, args.max_num_seqs, args.max_queue,
+             "on" if args.enable_prefix_caching else "off")
     for name, cost in (("target", engine.runner.target_cost), ("draft", engine.proposer.cost)):
         if cost is not None:
             log.info("%s pass, calibrated: %s", name, describe(cost.to_dict()))

@@ -60,6 +60,9 @@ class ServerMetrics:
         self.request_failure = counter("request_failure", "Requests refused or failed.", ["reason"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests (once per prompt).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        # vLLM's pair (in tokens): hits / queries is the prefix cache's hit rate (engine/prefix_cache.py)
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
         self.running = Gauge("quickdraft:num_requests_running", "Sequences decoding.", lbl, registry=r)
         self.waiting = Gauge("quickdraft:num_requests_waiting", "Sequences waiting for a KV slot.", lbl, registry=r)
         # vLLM's names for the gauges a load-aware router reads (the module's note)
@@ -88,7 +91,7 @@ class ServerMetrics:
         for j in range(num_speculative_tokens):
             self.accepted_per_pos.labels(model_name, str(j))
         for m in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
-                  self.generation_tokens):
+                  self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits):
             m.labels(model_name)
         self._last = SpecStats()  # the engine's counters at the previous record_step
 
@@ -117,6 +120,8 @@ class ServerMetrics:
             self.generation_tokens.labels(m).inc(len(out.new_token_ids))
             if out.first_token_time is not None and len(out.token_ids) == len(out.new_token_ids) and out.new_token_ids:
                 self.ttft.labels(m).observe(out.first_token_time - out.arrival_time)
+                self.prefix_cache_queries.labels(m).inc(len(out.prompt_token_ids))  # once: its first output
+                self.prefix_cache_hits.labels(m).inc(out.num_cached_tokens)
             if out.finished:
                 self.finished(out)
         self.set_queue(running, waiting)
