@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.errors import ConfigError
+from quickdraft.models import head_dir
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config keys these files follow (checked against its source)
 _LAYER = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
@@ -232,34 +233,13 @@ def speculators_config(head: Eagle3Head, num_speculative_tokens: int = 3, extra:
 def save(head: Eagle3Head, path: str | Path, num_speculative_tokens: int = 3, extra: dict | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (speculators format) into ``path``, each
     atomically (a reader never sees half a file)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / ".model.safetensors.tmp"
-    save_file({k: v.float() if v.is_floating_point() else v for k, v in head.state().items()}, str(tmp))
-    tmp.replace(path / "model.safetensors")
-    tmp = path / ".config.json.tmp"
-    tmp.write_text(json.dumps(speculators_config(head, num_speculative_tokens, extra), indent=2) + "\n")
-    tmp.replace(path / "config.json")
-    return path
+    return head_dir.save(path, head.state(), speculators_config(head, num_speculative_tokens, extra))
 
 
 def load(path: str | Path) -> Eagle3Head:
     """A head from a directory in the speculators format or SpecForge's (``midlayer.*``)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    try:
-        doc = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}/config.json cannot be read as an EAGLE-3 head's config: {e}") from None
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path} holds no *.safetensors weights")
-    w = {}
-    for f in files:
-        w.update(load_file(str(f)))
+    doc, w = head_dir.load(path, "an EAGLE-3 head")
     w = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v for k, v in w.items()}
     config = _config(doc, w, path)
     if "d2t" in w:

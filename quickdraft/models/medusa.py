@@ -15,7 +15,6 @@ vocabulary, ``token_map`` (the target id of each row). A ``quickdraft`` key decl
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.errors import ConfigError
+from quickdraft.models import head_dir
 from quickdraft.models.eagle3 import _same_name, target_key
 
 
@@ -90,37 +90,19 @@ def init_from_target(heads: MedusaHeads, model) -> None:
 
 
 def save(heads: MedusaHeads, path: str | Path, extra: dict | None = None) -> Path:
-    from safetensors.torch import save_file
-
     c = heads.config
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / ".model.safetensors.tmp"
-    save_file({k: v.float() if v.is_floating_point() else v for k, v in heads.state().items()}, str(tmp))
-    tmp.replace(path / "model.safetensors")
     doc = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": c.hidden_size,
            "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
            "truncated_vocab_size": c.draft_vocab_size, "medusa_fc_bias": True, "original_lm_head": False,
            "quickdraft": {"target": c.target, "target_key": c.target_key, **(extra or {})}}
-    tmp = path / ".config.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path / "config.json")
-    return path
+    return head_dir.save(path, heads.state(), doc)
 
 
 def load(path: str | Path) -> MedusaHeads:
-    from safetensors.torch import load_file
-
     path = Path(path)
-    try:
-        doc = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}/config.json cannot be read as Medusa heads' config: {e}") from None
+    doc, w = head_dir.load(path, "Medusa heads")
     if doc.get("model_type") != "medusa":
         raise ConfigError(f"{path} does not hold Medusa heads (model_type {doc.get('model_type')!r})")
-    w = {}
-    for f in sorted(path.glob("*.safetensors")):
-        w.update(load_file(str(f)))
     w = {k.removeprefix("medusa_heads."): v for k, v in w.items()}
     ours = doc.get("quickdraft", {})
     n = doc.get("truncated_vocab_size") or doc["vocab_size"]

@@ -138,6 +138,13 @@ class Eagle3Proposer:
         f = self._features[seq.slot]
         return 0 if f is None else max(f.shape[0] - 1, 0)
 
+    # The head's context is the target's states of every row, and a prefix served from the cache
+    # skips those rows: the engine keeps prefix caching off under eagle3 (engine.py).
+    reuses_prefixes = False
+
+    def reuse(self, seq, source, num_tokens) -> None:
+        self.release(seq)  # never with num_tokens > 0 (reuses_prefixes); the slot starts afresh
+
     def release(self, seq) -> None:
         self._cached[seq.slot] = 0
         self._features[seq.slot] = None

@@ -68,6 +68,9 @@ class MedusaProposer:
     def catchup_rows(self, seq) -> int:
         return 0
 
+    def reuse(self, seq, source, num_tokens) -> None:
+        self.release(seq)  # the heads read only the last row's state, which the prompt pass recomputes
+
     def release(self, seq) -> None:
         self._last[seq.slot] = None
 

@@ -179,3 +179,18 @@ def test_rows_the_head_never_saw_stop_its_drafts(trained):
     aux = torch.zeros(8, 3 * CONFIG.hidden_size)
     proposer.read_target([late, fresh], [None, None], [aux[:3], aux])
     assert proposer.propose([late, fresh], [3, 3]).num_tokens == [0, 3]
+
+
+def test_the_engine_keeps_prefix_caching_off_under_eagle3(trained, greedy_params):
+    """A prefix served from the cache would skip the target's states the head needs (above), so
+    under eagle3 the engine reuses no prefix, and a repeated prompt still drafts."""
+    from quickdraft.config import EngineConfig, SpeculativeConfig
+    from quickdraft.engine.engine import Engine
+
+    spec = SpeculativeConfig.parse({"method": "eagle3", "model": trained[0], "num_speculative_tokens": 3, "adaptive": False})
+    engine = Engine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=2, speculative=spec), target=TARGET)
+    assert not engine.prefix_cache.enabled
+    engine.generate_ids(PROMPTS[:1], greedy_params[:1])
+    drafted = engine.stats.num_draft_tokens
+    again = engine.generate_ids(PROMPTS[:1], greedy_params[:1])  # the same prompt: no cached prefix, drafts again
+    assert engine.stats.num_draft_tokens > drafted and again[0].num_cached_tokens == 0
