@@ -79,7 +79,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(60)  # a busy machine drains and saves slowly
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
