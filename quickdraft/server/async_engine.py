@@ -64,6 +64,7 @@ class _Abort:
 
 
 _STOP = object()
+IDLE_WAKE_S = 0.2  # how often an idle engine loop wakes (see _run)
 
 
 class AsyncEngine:
@@ -138,8 +139,11 @@ class AsyncEngine:
         engine = self.engine
         while True:
             try:
-                # Block while idle; between steps take everything that is there.
-                cmd = self._commands.get() if not engine.has_unfinished() else self._commands.get_nowait()
+                # Wait while idle; between steps take everything that is there. The wait wakes up
+                # now and then: on the main thread (quickdraft serve) Python runs a signal handler
+                # only when this thread runs, and a SIGTERM the kernel hands to another thread does
+                # not interrupt a blocked wait, so a drain would wait for the next request.
+                cmd = self._commands.get(timeout=IDLE_WAKE_S) if not engine.has_unfinished() else self._commands.get_nowait()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
