@@ -276,21 +276,27 @@ def _config(doc: dict, w: dict, path: Path) -> Eagle3Config:
 
 def check_target(config: Eagle3Config, model, source: str) -> None:
     """A head drafts for the target it was trained on: another target (or vocabulary) is an error."""
-    c = model.config
-    if config.vocab_size != c.vocab_size or config.hidden_size != c.hidden_size:
-        raise ConfigError(f"the EAGLE-3 head {source} was made for {config.target!r} (vocabulary {config.vocab_size}, "
-                          f"hidden size {config.hidden_size}), not for this target {c.name or model.source!r} "
-                          f"(vocabulary {c.vocab_size}, hidden size {c.hidden_size})", "model")
-    bad = [i for i in config.aux_layers if not 0 <= i < c.num_layers]
+    bad = [i for i in config.aux_layers if not 0 <= i < model.config.num_layers]
     if bad:
         raise ConfigError(f"the EAGLE-3 head {source} reads target layers {list(config.aux_layers)}, but this target "
-                          f"has {c.num_layers}", "model")
+                          f"has {model.config.num_layers}", "model")
+    check_head_target("the EAGLE-3 head", config, model, source)
+
+
+def check_head_target(what: str, config, model, source: str) -> None:
+    """``what`` ("the EAGLE-3 head", "the Medusa heads"), whose ``config`` declares vocab_size,
+    hidden_size, target and target_key, was made for this ``model``, or a ConfigError says not."""
+    c = model.config
+    this = c.name or model.source
+    if config.vocab_size != c.vocab_size or config.hidden_size != c.hidden_size:
+        raise ConfigError(f"{what} {source} was made for {config.target!r} (vocabulary {config.vocab_size}, "
+                          f"hidden size {config.hidden_size}), not for this target {this!r} "
+                          f"(vocabulary {c.vocab_size}, hidden size {c.hidden_size})", "model")
     if config.target_key is not None and config.target_key != target_key(model):
-        raise ConfigError(f"the EAGLE-3 head {source} was trained on {config.target!r}, another model than this target "
-                          f"{c.name or model.source!r} (their fingerprints differ): train one for this target", "model")
+        raise ConfigError(f"{what} {source} was trained on {config.target!r}, another model than this target "
+                          f"{this!r} (their fingerprints differ): train one for this target", "model")
     if config.target_key is None and config.target and not _same_name(config.target, c.name or str(model.source)):
-        raise ConfigError(f"the EAGLE-3 head {source} declares its target {config.target!r}, not this target "
-                          f"{c.name or model.source!r}", "model")
+        raise ConfigError(f"{what} {source} declares its target {config.target!r}, not this target {this!r}", "model")
 
 
 def _same_name(a: str, b: str) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 
 from quickdraft.errors import ConfigError
 from quickdraft.models import head_dir
-from quickdraft.models.eagle3 import _same_name, target_key
+from quickdraft.models.eagle3 import check_head_target
 
 
 @dataclass(frozen=True)
@@ -125,14 +125,4 @@ def load(path: str | Path) -> MedusaHeads:
 
 
 def check_target(config: MedusaConfig, model, source: str) -> None:
-    c = model.config
-    if config.vocab_size != c.vocab_size or config.hidden_size != c.hidden_size:
-        raise ConfigError(f"the Medusa heads {source} were made for {config.target!r} (vocabulary {config.vocab_size}, "
-                          f"hidden size {config.hidden_size}), not for this target {c.name or model.source!r} "
-                          f"(vocabulary {c.vocab_size}, hidden size {c.hidden_size})", "model")
-    if config.target_key is not None and config.target_key != target_key(model):
-        raise ConfigError(f"the Medusa heads {source} were trained on {config.target!r}, another model than this target "
-                          f"{c.name or model.source!r} (their fingerprints differ): train them for this target", "model")
-    if config.target_key is None and config.target and not _same_name(config.target, c.name or str(model.source)):
-        raise ConfigError(f"the Medusa heads {source} declare their target {config.target!r}, not this target "
-                          f"{c.name or model.source!r}", "model")
+    check_head_target("the Medusa heads", config, model, source)
