@@ -31,6 +31,7 @@ from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BlockWeight, on_blocks
+from quickdraft.models.loader import select_rows
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
@@ -205,8 +206,8 @@ def truncated_head(draft, ids: torch.Tensor):
     every row (any token can be read), so a tied head becomes an untied one; int8 quantization,
     one scale per row, then quantizes the N rows alone, as selecting rows of the quantized head would."""
     w = dict(draft.weights)
-    head = w["model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"]
-    head = head.select(ids) if isinstance(head, BlockWeight) else head[ids].contiguous()
+    name = "model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"
+    head = select_rows(draft, name, ids) if isinstance(w[name], BlockWeight) else w[name][ids].contiguous()
     w["lm_head.weight"] = into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
     return dataclasses.replace(draft.config, tie_word_embeddings=False), w
 
@@ -214,13 +215,11 @@ def truncated_head(draft, ids: torch.Tensor):
 def check_same_vocabulary(target, draft) -> None:
     """A draft must speak the target's token ids, or its proposals mean nothing."""
     t, d = target.tokenizer, draft.tokenizer
-    if target.config.vocab_size != draft.config.vocab_size or _vocab(t) != _vocab(d):
+    same = t.same_vocabulary(d) if t is not None and d is not None else t is d
+    if target.config.vocab_size != draft.config.vocab_size or not same:
         raise ConfigError(
             f"the draft model's vocabulary ({draft.config.vocab_size} tokens, {draft.source}) differs from "
             f"the target's ({target.config.vocab_size} tokens, {target.source}); a draft must share the "
             "target's tokenizer", "model",
         )
 
-
-def _vocab(tokenizer) -> list | None:
-    return None if tokenizer is None else [tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)]

@@ -4,6 +4,7 @@ reused."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -15,7 +16,9 @@ import torch
 from quickdraft.errors import ModelFormatError
 from quickdraft.models import gguf as qgguf
 from quickdraft.models import loader
-from quickdraft.models.tokenizer import _byte_alphabet
+from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.tokenizer import Tokenizer, _byte_alphabet
+from tests.conftest import _tiny_rust_tokenizer
 
 Q = gguf.GGMLQuantizationType
 QK_K = 256
@@ -347,3 +350,63 @@ def test_damaged_cache_entry_is_reconverted(tmp_path: Path, tmp_cache: Path) -> 
     again = loader.load_model(str(path), quantization="none")
     assert torch.equal(again.weights["model.norm.weight"], torch.from_numpy(hf["model.norm.weight"]))
     assert cached.stat().st_size > 100
+
+
+def test_tokenizer_entry_from_before_is_read_and_rewritten(tmp_path: Path, tmp_cache: Path) -> None:
+    """An entry written when the vocabulary was a JSON object (not a string) still loads, and is
+    rewritten once in today's form."""
+    path, _ = write_tiny_model(tmp_path / "t.gguf")
+    first = loader.load_model(str(path), quantization="none")
+    entry = loader.conversion_dir(path) / "tokenizer.json"
+    doc = json.loads(entry.read_text())
+    doc["tokenizer"] = json.loads(doc["tokenizer"])
+    entry.write_text(json.dumps(doc))
+    assert not Tokenizer.json_is_current(entry.read_text())
+    again = loader.load_model(str(path), quantization="none")
+    assert again.tokenizer.encode("<|im_start|> tt") == first.tokenizer.encode("<|im_start|> tt")
+    assert Tokenizer.json_is_current(entry.read_text())
+    assert loader.load_model(str(path), quantization="none").tokenizer.encode("t t") == first.tokenizer.encode("t t")
+
+
+def test_same_vocabularies_share_one_parse() -> None:
+    """A target and its draft whose chat templates differ share the parsed vocabulary; a draft
+    with one token changed does not, and is told apart."""
+    tok = Tokenizer(_tiny_rust_tokenizer(), chat_template="a")
+    twin = json.loads(tok.to_json()) | {"chat_template": "b"}
+    a, b = Tokenizer.from_json(tok.to_json()), Tokenizer.from_json(json.dumps(twin))
+    assert a._tok is b._tok and a.chat_template != b.chat_template and a.same_vocabulary(b)
+    other = json.loads(a._tok.to_str())
+    vocab = other["model"]["vocab"]
+    swapped = {k: v for k, v in vocab.items()}
+    first, second = sorted(vocab, key=vocab.get)[-2:]
+    swapped[first], swapped[second] = vocab[second], vocab[first]
+    other["model"]["vocab"] = swapped
+    c = Tokenizer.from_json(json.dumps(json.loads(tok.to_json()) | {"tokenizer": json.dumps(other)}))
+    assert c._tok is not a._tok and not a.same_vocabulary(c) and a.same_vocabulary(Tokenizer(_tiny_rust_tokenizer()))
+
+
+def test_selected_rows_are_kept_beside_the_conversion(tmp_path: Path, tmp_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``select_rows`` (a truncated draft head) repacks once; later loads read the file, and a
+    damaged file is rebuilt."""
+    source = tmp_path / "m.gguf"
+    source.write_bytes(np.random.default_rng(0).bytes(4096))
+    raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32), Q.Q8_0)
+    head = BlockWeight.from_gguf("Q8_0", raw, (40, 64))
+    model = loader.LoadedModel(None, {"lm_head.weight": head}, None, str(source))
+    rows = torch.tensor([39, 3, 17, 0, 21])
+    first = loader.select_rows(model, "lm_head.weight", rows)
+    assert torch.equal(first.dequantize(), head.dequantize(rows=rows))
+
+    def no_repack(self, rows):
+        raise AssertionError("repacked again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(BlockWeight, "select", no_repack)
+        second = loader.select_rows(model, "lm_head.weight", rows)
+        assert torch.equal(second.data, first.data) and second.shape == first.shape
+        with pytest.raises(AssertionError, match="repacked again"):
+            loader.select_rows(model, "lm_head.weight", rows[:3])  # other rows: another file
+    (file,) = loader.conversion_dir(source).glob("rows-lm_head.weight-*.safetensors")
+    file.write_bytes(file.read_bytes()[:50])
+    assert torch.equal(loader.select_rows(model, "lm_head.weight", rows).data, first.data)
+    assert file.stat().st_size > 50
