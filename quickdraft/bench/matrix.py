@@ -8,6 +8,10 @@ next of enough copies of the matrix (in huge pages, as the loader places weights
 Beside it, the blocks' cost with the weights hot in cache (the first tiles of the matrix, about
 512 KiB, called again and again; the fastest of 200 calls, which a shared machine disturbs
 least): what the arithmetic and the loads cost, in ns per 512 weights of one weight row.
+And the arithmetic's floor: every row of a pass costs one 512-bit vpdpbusd per 64 products, in
+any layout, so rows x weights / 64 of them at this machine's measured rate (``vnni_rate``, one
+core, times the threads) is a pass's least time once the weights are read (on a Zen 4 core, one
+a cycle: 512-bit operations run as two 256-bit halves).
 
     python -m quickdraft.bench.matrix --model qwen2.5-coder-1.5b-instruct --tensor blk.0.ffn_gate.weight \
         --plot docs/figures/gguf_rows.png
@@ -26,6 +30,7 @@ from tqdm import tqdm
 from quickdraft.models import registry
 from quickdraft.models.decoder import linear, nbytes
 from quickdraft.models.ggml import LANES, BlockWeight
+from quickdraft.models.kernels import block_linear
 from quickdraft.models.gguf import _torch_shape, open_gguf
 from quickdraft.models.memory import into_huge_pages
 
@@ -59,6 +64,8 @@ def measure(model: str, tensor: str, rows: list[int], rounds: int = 9) -> list[d
     weights = {"blocks": _copies(blocks, blocks.nbytes), "bf16": _copies(dense, nbytes(dense))}
     tiles = max(1, min(blocks.data.shape[0], (512 << 10) // blocks.data.shape[1]))
     hot = BlockWeight(blocks.ggml_type, blocks.data[:tiles].clone(), blocks.in_features, tiles * LANES)
+    module = block_linear()
+    rate = module.vnni_rate(2000) * torch.get_num_threads() if module is not None else None  # a second, all threads
     out = []
     for m in tqdm(rows, desc=f"{tensor} by rows", leave=False):
         x = torch.randn(m, blocks.shape[1]).to(torch.bfloat16)
@@ -74,7 +81,8 @@ def measure(model: str, tensor: str, rows: list[int], rounds: int = 9) -> list[d
         out.append({"rows": m, "format": t.tensor_type.name, "shape": list(blocks.shape),
                     "blocks_ms": med["blocks"] * 1e3, "bf16_ms": med["bf16"] * 1e3,
                     "blocks_bytes": blocks.nbytes, "bf16_bytes": nbytes(dense),
-                    "hot_ns_per_512": hot_s * 1e9 / (hot.out_features * hot.in_features / 512)})
+                    "hot_ns_per_512": hot_s * 1e9 / (hot.out_features * hot.in_features / 512),
+                    "vnni_floor_ms": m * blocks.out_features * blocks.in_features / 64 / rate * 1e3 if rate else None})
     base = {k: out[0][k] for k in ("blocks_ms", "bf16_ms")}
     for r in out:
         r["blocks_vs_1_row"] = r["blocks_ms"] / base["blocks_ms"]
@@ -93,6 +101,9 @@ def plot(rows: list[dict], tensor: str, path: str) -> None:
     r0 = rows[0]
     ax.plot(ms, [r["blocks_ms"] for r in rows], "o-", label=f"stored {r0['format']} blocks ({r0['blocks_bytes'] / 2**20:.1f} MiB)")
     ax.plot(ms, [r["bf16_ms"] for r in rows], "s-", label=f"bfloat16 ({r0['bf16_bytes'] / 2**20:.1f} MiB)")
+    if r0["vnni_floor_ms"] is not None:
+        ax.plot(ms, [r["vnni_floor_ms"] for r in rows], "^:", color="black", linewidth=0.8,
+                label="the blocks' vpdpbusd alone, at this machine's rate")
     for factor, style in ((1.5, ":"), (2.5, "--")):
         ax.axhline(r0["blocks_ms"] * factor, color="grey", linestyle=style, linewidth=0.8,
                    label=f"{factor}x the blocks' 1 row")
@@ -126,10 +137,13 @@ def main(argv=None) -> int:
     r0 = rows[0]
     print(f"{args.tensor} {r0['format']} {r0['shape']}: {r0['blocks_bytes'] / 2**20:.1f} MiB as blocks, "
           f"{r0['bf16_bytes'] / 2**20:.1f} MiB in bfloat16; torch threads {torch.get_num_threads()}")
-    print(f"{'rows':>5} {'blocks ms':>10} {'x 1 row':>8} {'bf16 ms':>9} {'x 1 row':>8} {'hot ns/512':>11}")
+    print(f"{'rows':>5} {'blocks ms':>10} {'x 1 row':>8} {'bf16 ms':>9} {'x 1 row':>8} {'hot ns/512':>11} "
+          f"{'vnni floor ms':>14} {'x 1 row':>8}")
     for r in rows:
+        floor = r["vnni_floor_ms"]
+        floor_cols = f"{floor:>14.3f} {floor / r0['blocks_ms']:>8.2f}" if floor is not None else f"{'-':>14} {'-':>8}"
         print(f"{r['rows']:>5} {r['blocks_ms']:>10.2f} {r['blocks_vs_1_row']:>8.2f} {r['bf16_ms']:>9.2f} "
-              f"{r['bf16_vs_1_row']:>8.2f} {r['hot_ns_per_512']:>11.1f}")
+              f"{r['bf16_vs_1_row']:>8.2f} {r['hot_ns_per_512']:>11.1f} {floor_cols}")
     return 0
 
 

@@ -31,6 +31,8 @@
 // float lane that adds its blocks in k order, whatever the number of rows or where (m, n) falls.
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -304,4 +306,30 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int6
 std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
                                               std::vector<c10::optional<torch::Tensor>> biases) {
   return by_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, ws, K, biases); });
+}
+
+// 512-bit vpdpbusd a second on one core, as fast as this machine runs them: 12 independent
+// accumulators (more than the latency times the rate) in runs of about a millisecond, the
+// fastest of ``runs`` (a shared machine takes the core away in slices longer than that). Every
+// row of a pass costs one per 64 weight-times-x products, whatever the layout, so this rate
+// bounds a pass of many rows from below (bench/matrix.py prints that floor beside its figures).
+double vnni_rate(int64_t runs) {
+  constexpr int64_t N = 1 << 20;
+  __m512i acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+  __m512i w = _mm512_set1_epi32(0x05060708);
+  const __m512i x = _mm512_set1_epi32(0x01020304);
+  double best = 1e30;
+  for (int64_t r = 0; r < runs; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t n = 0; n < N; n += 12) {
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
+      asm volatile("" : "+v"(w));  // w may have changed: the products are not hoisted out of the loop
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  int32_t sink = 0;
+  for (int i = 0; i < 12; ++i) sink ^= _mm512_reduce_add_epi32(acc[i]);
+  asm volatile("" : : "r"(sink));
+  return static_cast<double>(N) / best;
 }
