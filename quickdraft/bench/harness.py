@@ -47,6 +47,9 @@ class Variant:
     draft: str | None = None  # draft_model only: the draft's name or path
     adaptive: bool = True  # K planned per step up to k (engine/cost.py); False: always k
     branches: int = 1  # ngram, suffix: > 1 drafts token trees of at most k nodes
+    # any other keys of the speculative config, as (key, value) pairs (--speculative-config's
+    # variant: {"quantization": "q4_0"}, {"draft_vocab_size": 32768}, ...)
+    options: tuple = ()
 
     @property
     def name(self) -> str:
@@ -54,9 +57,10 @@ class Variant:
             return "none"
         fixed = "" if self.adaptive else " fixed"
         tree = f" tree B={self.branches}" if self.branches > 1 else ""
+        extra = "".join(f" {k}={v}" for k, v in self.options)
         if self.method == "ngram":
-            return f"ngram K={self.k}{fixed}{tree} n={self.lookup_min}..{self.lookup_max}"
-        return f"{self.method} K={self.k}{fixed}{tree}"
+            return f"ngram K={self.k}{fixed}{tree} n={self.lookup_min}..{self.lookup_max}{extra}"
+        return f"{self.method} K={self.k}{fixed}{tree}{extra}"
 
     def spec(self, draft: LoadedModel | None) -> dict | None:
         if self.method == "none":
@@ -68,7 +72,7 @@ class Variant:
             spec["model"] = draft
         if self.branches > 1:
             spec["num_branches"] = self.branches
-        return spec
+        return spec | dict(self.options)
 
     def to_dict(self) -> dict:
         return {"name": self.name, **asdict(self)}

@@ -227,6 +227,22 @@ def _dequantize(f: Format, fields: dict[str, np.ndarray]) -> np.ndarray:
     return deq.reshape(n, -1)
 
 
+def bits(kind: str) -> float:
+    """Bits a weight of a GGUF block format, as the file stores it."""
+    per_block, nbytes = BLOCKS[kind]
+    return nbytes * 8 / per_block
+
+
+def requantize(w: "BlockWeight | torch.Tensor", kind: str) -> "BlockWeight":
+    """A matrix [out, in] (blocks of another format, or dense) quantized again into ``kind`` blocks
+    by gguf's own quantizer (ggml's reference rounding; about 0.4 GB of float32 input a second)."""
+    import gguf.quants  # only here: the loader's path does not need it
+
+    dense = w.dequantize(torch.float32) if isinstance(w, BlockWeight) else w.detach().float()
+    raw = gguf.quants.quantize(dense.cpu().numpy(), gguf.GGMLQuantizationType[kind])
+    return BlockWeight.from_gguf(kind, raw, tuple(dense.shape)).to(w.device)
+
+
 def on_blocks(weights) -> bool:
     """Whether a model's weights (a dict by name) hold any matrix kept in its GGUF blocks."""
     return any(isinstance(w, BlockWeight) for w in weights.values())

@@ -15,6 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -94,26 +95,43 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
     return LoadedModel(config, weights, tokenizer, str(path))
 
 
-def select_rows(model: LoadedModel, name: str, rows: torch.Tensor) -> BlockWeight:
-    """``model.weights[name].select(rows)``, kept beside the model's conversion: repacking a
-    truncated draft head (65536 of 151936 rows) takes about 0.8 s, which every load with a draft
-    would otherwise pay. The file is keyed by the rows' ids; a damaged one is rebuilt."""
-    w = model.weights[name]
+def cached_blocks(model: LoadedModel, tag: str, build: Callable[[], dict[str, BlockWeight]]) -> dict[str, BlockWeight]:
+    """The block weights ``build`` makes from ``model``, kept beside the model's conversion as
+    ``<tag>.safetensors`` so that a later load reads them instead of making them again (``tag``
+    must name everything they depend on besides the file). A damaged file is made again; a model
+    that did not come from a GGUF file is not cached."""
     source = Path(model.source)
     if source.suffix != ".gguf" or not source.is_file():
-        return w.select(rows)
-    key = hashlib.sha256(rows.cpu().to(torch.int64).numpy().tobytes()).hexdigest()[:16]
-    file = conversion_dir(source) / f"rows-{name}-{key}.safetensors"
+        return build()
+    file = conversion_dir(source) / f"{tag}.safetensors"
     if file.exists():
         try:
+            with safe_open(file, "pt") as f:
+                kinds = json.loads((f.metadata() or {})["blocks"])
             read = read_safetensors(file)
-            return BlockWeight.from_parts(w.ggml_type, name, read[0] if read else load_file(file)).to(w.device)
+            tensors = read[0] if read is not None else load_file(file)
+            return {n: BlockWeight.from_parts(kind, n, tensors) for n, kind in kinds.items()}
         except (OSError, ValueError, TypeError, KeyError, SafetensorError):
             pass
-    picked = w.select(rows)
+    made = build()
+    flat = {k: t.cpu() for n, w in made.items() for k, t in w.parts(n).items()}
+    meta = {"format": "pt", "blocks": json.dumps({n: w.ggml_type for n, w in made.items()})}
     file.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(file, lambda p: save_file({k: t.cpu() for k, t in picked.parts(name).items()}, str(p)))
-    return picked
+    _atomic_write(file, lambda p: save_file(flat, str(p), metadata=meta))
+    return made
+
+
+def select_rows(model: LoadedModel, name: str, rows: torch.Tensor) -> BlockWeight:
+    """``model.weights[name].select(rows)``, cached (``cached_blocks``): repacking a truncated
+    draft head (65536 of 151936 rows) takes about 0.8 s, which every load with a draft would
+    otherwise pay."""
+    w = model.weights[name]
+    return cached_blocks(model, f"rows-{name}-{ids_key(rows)}", lambda: {name: w.select(rows)})[name].to(w.device)
+
+
+def ids_key(ids: torch.Tensor) -> str:
+    """A short key for a list of ids (a cache file's name)."""
+    return hashlib.sha256(ids.cpu().to(torch.int64).numpy().tobytes()).hexdigest()[:16]
 
 
 def fingerprint(path: Path) -> str:

@@ -46,6 +46,19 @@ def _args(**kw) -> argparse.Namespace:
     return args
 
 
+def test_speculative_config_variant_keeps_its_other_keys():
+    """--speculative-config adds one variant; the keys a Variant has no field for travel in its
+    options, into its name and its spec, so two settings of a draft are told apart."""
+    args = _args(suite="quick", speculative_config='{"method": "draft_model", "model": "d", "quantization": "q4_0", '
+                                                   '"draft_vocab_size": 32768}')
+    c = bench_cli.build_config(bench_cli.resolve(args), args)
+    v = c.variants[-1]
+    assert v.name == "draft_model K=4 draft_vocab_size=32768 quantization=q4_0" and v.draft == "d"
+    assert v.spec("loaded") == {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": True, "model": "loaded",
+                                "draft_vocab_size": 32768, "quantization": "q4_0"}
+    assert "draft_model K=4" in [x.name for x in c.variants]  # the suite's own, beside it
+
+
 def test_suite_fills_in_what_the_flags_leave_out():
     args = _args(suite="quick", max_tokens=12)
     s = bench_cli.resolve(args)
