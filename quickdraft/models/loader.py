@@ -33,8 +33,10 @@ from quickdraft.models.tokenizer import Tokenizer
 
 # Bump when the conversion itself changes (names, unpermute, tokenizer building), so that old
 # cache entries are not read as if they were produced by the new code. 2: GGUF blocks in tiles of
-# 16 weight rows (models/ggml.py).
-CONVERTER_VERSION = 2
+# 16 weight rows (models/ggml.py). 3: tokenizer.json keeps the tokenizers document as a string
+# (Tokenizer.to_json), which version 2's code cannot read: a cache shared by two versions keeps
+# an entry for each.
+CONVERTER_VERSION = 3
 _SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of a file for its fingerprint
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -176,10 +178,7 @@ def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32, keep_
 
 def _read_cached(out: Path, weights_file: Path):
     config = ModelConfig(**_config_fields(json.loads((out / "config.json").read_text())))
-    text = (out / "tokenizer.json").read_text(encoding="utf-8")
-    tokenizer = Tokenizer.from_json(text)
-    if not Tokenizer.json_is_current(text):  # an entry from before: rewritten once, read fast after
-        _atomic_write(out / "tokenizer.json", lambda p: p.write_text(tokenizer.to_json(), encoding="utf-8"))
+    tokenizer = Tokenizer.from_json((out / "tokenizer.json").read_text(encoding="utf-8"))
     with safe_open(weights_file, "pt") as f:
         blocks = json.loads((f.metadata() or {}).get("blocks", "{}"))  # name -> GGUF type
     read = read_safetensors(weights_file)  # straight into huge pages (models/memory.py)

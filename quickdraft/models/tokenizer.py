@@ -222,20 +222,13 @@ class Tokenizer:
         target and its draft, whose chat templates may still differ) share one parsed vocabulary:
         parsing 150k tokens takes about half a second, and a vocabulary is never changed once built."""
         d = json.loads(text)
-        inner = d["tokenizer"]
         return cls(
-            _parse(inner if isinstance(inner, str) else json.dumps(inner)),  # a dict: written before the string
+            _parse(d["tokenizer"]),
             bos_token_id=d["bos_token_id"],
             eos_token_ids=d["eos_token_ids"],
             add_bos_token=d["add_bos_token"],
             chat_template=d["chat_template"],
         )
-
-    @staticmethod
-    def json_is_current(text: str) -> bool:
-        """Whether ``text`` (a ``to_json`` document) keeps the vocabulary as a string, as ``to_json``
-        writes it today; an older cache entry is rewritten once so that later loads are fast."""
-        return not text.startswith('{"tokenizer": {')
 
     def same_vocabulary(self, other: Tokenizer) -> bool:
         """Whether both give every id the same token (a draft and its target must)."""

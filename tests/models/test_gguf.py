@@ -352,22 +352,6 @@ def test_damaged_cache_entry_is_reconverted(tmp_path: Path, tmp_cache: Path) -> 
     assert cached.stat().st_size > 100
 
 
-def test_tokenizer_entry_from_before_is_read_and_rewritten(tmp_path: Path, tmp_cache: Path) -> None:
-    """An entry written when the vocabulary was a JSON object (not a string) still loads, and is
-    rewritten once in today's form."""
-    path, _ = write_tiny_model(tmp_path / "t.gguf")
-    first = loader.load_model(str(path), quantization="none")
-    entry = loader.conversion_dir(path) / "tokenizer.json"
-    doc = json.loads(entry.read_text())
-    doc["tokenizer"] = json.loads(doc["tokenizer"])
-    entry.write_text(json.dumps(doc))
-    assert not Tokenizer.json_is_current(entry.read_text())
-    again = loader.load_model(str(path), quantization="none")
-    assert again.tokenizer.encode("<|im_start|> tt") == first.tokenizer.encode("<|im_start|> tt")
-    assert Tokenizer.json_is_current(entry.read_text())
-    assert loader.load_model(str(path), quantization="none").tokenizer.encode("t t") == first.tokenizer.encode("t t")
-
-
 def test_same_vocabularies_share_one_parse() -> None:
     """A target and its draft whose chat templates differ share the parsed vocabulary; a draft
     with one token changed does not, and is told apart."""
