@@ -91,26 +91,32 @@ class Arena:
         return view
 
 
-def into_huge_pages(weights: dict[str, object]) -> dict[str, object]:
+def into_huge_pages(weights: dict[str, object], fresh: bool = False) -> dict[str, object]:
     """The same weights (tensors, or dataclasses of tensors such as BlockWeight), the large CPU
     tensors copied into one huge-page arena. The dict is updated in place, name by name, so that
     each original can be freed once copied. A tensor seen twice (a tied head) is copied once.
-    (Weights read from a file go straight into the arena instead: ``read_safetensors``.)"""
+    (Weights read from a file go straight into the arena instead: ``read_safetensors``.)
+    ``fresh``: copy every tensor, those already in an arena and the small ones too, so that an
+    arena whose other tensors were replaced (a requantized draft) is freed, not held by a view."""
     sizes: dict[int, int] = {}
     for w in weights.values():
         for t in _tensors(w):
             big = t.numel() * t.element_size() >= MIN_BYTES
-            if t.device.type == "cpu" and t.is_contiguous() and big and not in_huge_pages(t):
+            if t.device.type == "cpu" and t.is_contiguous() and big and (fresh or not in_huge_pages(t)):
                 sizes.setdefault(id(t), t.numel() * t.element_size())
     arena = Arena.create(list(sizes.values()))
-    if arena is None:
+    if arena is None and not fresh:
         return weights
     # ids are taken while every original is alive (in ``weights``), so they cannot collide
     moved: dict[int, torch.Tensor] = {}
     for name in list(weights):
         for t in _tensors(weights[name]):
-            if id(t) in sizes and id(t) not in moved:
+            if id(t) in moved:
+                continue
+            if arena is not None and id(t) in sizes:
                 moved[id(t)] = arena.take(t.dtype, t.shape).copy_(t)
+            elif fresh:
+                moved[id(t)] = t.clone()
         weights[name] = _replace(weights[name], moved)
     return weights
 

@@ -237,7 +237,10 @@ def requantized(draft, weights: dict, kind: str, head: str) -> dict:
 
     made = cached_blocks(draft, f"{kind.lower()}-{head}", build)
     device = next(iter(weights.values())).device
-    return into_huge_pages({**weights, **{n: w.to(device) for n, w in made.items()}})
+    # the weights kept as they were are copied out of the loaded file's arena (fresh), which is
+    # then freed instead of held by their views
+    kept = into_huge_pages({n: w for n, w in weights.items() if n not in made}, fresh=True)
+    return {**kept, **{n: w.to(device) for n, w in made.items()}}
 
 
 def check_same_vocabulary(target, draft) -> None:

@@ -29,6 +29,20 @@ def test_weights_are_moved_unchanged_and_a_tied_tensor_once():
     assert memory.into_huge_pages(dict(out))["embed"] is out["embed"]  # not copied twice
 
 
+def test_fresh_copies_leave_the_old_arena_to_be_freed():
+    """``fresh``: every tensor is copied, those already in an arena and the small ones too, so that
+    nothing of the old arena's stays referenced (a requantized draft's kept weights)."""
+    g = torch.Generator().manual_seed(1)
+    first = memory.into_huge_pages({"w": torch.randn(512, 256, generator=g), "norm": torch.ones(8)})
+    assert memory.in_huge_pages(first["w"])
+    old = {k: v.clone() for k, v in first.items()}
+    moved = memory.into_huge_pages(dict(first), fresh=True)
+    for k in old:
+        assert torch.equal(moved[k], old[k])
+        assert moved[k].untyped_storage().data_ptr() != first[k].untyped_storage().data_ptr()
+    assert memory.in_huge_pages(moved["w"])
+
+
 def test_a_safetensors_file_reads_as_safetensors_reads_it(tmp_path):
     g = torch.Generator().manual_seed(1)
     tensors = {"a": torch.randn(70, 33, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16),
