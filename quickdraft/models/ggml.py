@@ -243,6 +243,23 @@ def requantize(w: "BlockWeight | torch.Tensor", kind: str) -> "BlockWeight":
     return BlockWeight.from_gguf(kind, raw, tuple(dense.shape)).to(w.device)
 
 
+def wider(w, kind: str) -> bool:
+    """Whether matrix ``w`` (blocks, or a dense 2-D weight that splits into ``kind``'s blocks) takes
+    more bits a weight than ``kind``."""
+    if isinstance(w, BlockWeight):
+        return bits(w.ggml_type) > bits(kind)
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] % BLOCKS[kind][0] == 0
+
+
+def requantize_wider(weights: dict, kind: str, progress: bool = True) -> dict:
+    """``weights`` with every matrix that takes more bits a weight than ``kind`` quantized again
+    into ``kind`` (``requantize``), the embedding and output head included; the rest as it is."""
+    from tqdm import tqdm
+
+    names = [n for n, w in weights.items() if wider(w, kind)]
+    return weights | {n: requantize(weights[n], kind) for n in tqdm(names, desc=f"to {kind}", leave=False, disable=not progress)}
+
+
 def on_blocks(weights) -> bool:
     """Whether a model's weights (a dict by name) hold any matrix kept in its GGUF blocks."""
     return any(isinstance(w, BlockWeight) for w in weights.values())

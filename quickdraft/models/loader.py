@@ -26,7 +26,7 @@ from quickdraft.models import gguf as gguf_loader
 from quickdraft.models import hf as hf_loader
 from quickdraft.models import registry
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.ggml import BlockWeight, requantize_wider
 from quickdraft.models.kernels import block_linear
 from quickdraft.models.memory import into_huge_pages, read_safetensors
 from quickdraft.models.tokenizer import Tokenizer
@@ -65,12 +65,15 @@ def resolve_quantization(path: Path, device: str | torch.device, quantization: s
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quantization: str | None = "auto") -> LoadedModel:
+               quantization: str | None = "auto", requantize: str | None = None) -> LoadedModel:
     """Load a built-in model by name (``smollm2-135m-instruct``), a ``.gguf`` file, or a Hugging
     Face directory. Every tensor, norms and biases included, is in ``dtype``: upcasting is the
     decoder's decision. ``quantization="gguf"``: a GGUF's block-quantized matrices stay as stored
     (models/ggml.py), and ``dtype`` is that of the activations and of everything else; "auto"
-    (the default) does so where the CPU kernels run (``resolve_quantization``); "none": dequantized."""
+    (the default) does so where the CPU kernels run (``resolve_quantization``); "none": dequantized.
+    ``requantize`` (a GGUF block format, "Q4_0"): every matrix stored in more bits a weight is
+    quantized again into it (a draft's fewer bytes a step); a GGUF's result is cached as its own
+    conversion, so that a later load reads only the requantized weights."""
     if quantization not in QUANTIZATIONS:
         raise ModelFormatError(f"quantization {quantization!r} is not supported (supported: auto, none, gguf)")
     if dtype not in _DTYPES:
@@ -87,8 +90,11 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
         if quantization == "gguf":
             raise ModelFormatError(f"{path}: quantization gguf needs a .gguf file, not a Hugging Face directory")
         config, weights, tokenizer = hf_loader.load_hf_dir(path, dtype, device)
+        if requantize:
+            weights = requantize_wider(weights, requantize)
     else:
-        config, weights, tokenizer = load_gguf_cached(path, dtype, keep_blocks=quantization == "gguf")
+        config, weights, tokenizer = load_gguf_cached(path, dtype, keep_blocks=quantization == "gguf",
+                                                      requantize=requantize)
         weights = {k: v.to(device) for k, v in weights.items()}  # BlockWeight.to moves its parts
     if torch.device(device).type == "cpu":
         weights = into_huge_pages(weights)
@@ -128,7 +134,8 @@ def select_rows(model: LoadedModel, name: str, rows: torch.Tensor) -> BlockWeigh
     draft head (65536 of 151936 rows) takes about 0.8 s, which every load with a draft would
     otherwise pay."""
     w = model.weights[name]
-    return cached_blocks(model, f"rows-{name}-{ids_key(rows)}", lambda: {name: w.select(rows)})[name].to(w.device)
+    tag = f"rows-{name}-{w.ggml_type}-{ids_key(rows)}"
+    return cached_blocks(model, tag, lambda: {name: w.select(rows)})[name].to(w.device)
 
 
 def ids_key(ids: torch.Tensor) -> str:
@@ -160,18 +167,25 @@ def conversion_dir(path: Path) -> Path:
     return registry.cache_dir() / "converted" / f"{path.stem}-{fingerprint(path)}"
 
 
-def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = False):
+def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = False,
+                     requantize: str | None = None):
     """(config, weights on the CPU in ``dtype``, tokenizer) of a GGUF file, converting it once.
-    With ``keep_blocks`` the cache holds the repacked block weights (about the file's size)."""
+    With ``keep_blocks`` the cache holds the repacked block weights (about the file's size);
+    ``requantize`` (a block format) is made from that entry and cached beside it."""
     path = Path(path)
     out = conversion_dir(path)
-    weights_file = out / f"weights-{_DTYPES[dtype]}{'-blocks' if keep_blocks else ''}.safetensors"
+    tag = ("-blocks" if keep_blocks else "") + (f"-{requantize.lower()}" if requantize else "")
+    weights_file = out / f"weights-{_DTYPES[dtype]}{tag}.safetensors"
     if all(f.exists() for f in (weights_file, out / "config.json", out / "tokenizer.json")):
         try:
             return _read_cached(out, weights_file)
         except (OSError, ValueError, TypeError, KeyError, SafetensorError):
             pass  # a damaged entry: convert again and overwrite it
-    config, weights, tokenizer = gguf_loader.load_gguf(path, dtype, keep_blocks=keep_blocks)
+    if requantize:
+        config, weights, tokenizer = load_gguf_cached(path, dtype, keep_blocks)
+        weights = requantize_wider(weights, requantize)
+    else:
+        config, weights, tokenizer = gguf_loader.load_gguf(path, dtype, keep_blocks=keep_blocks)
     _write(out, weights_file, config, weights, tokenizer)
     return config, weights, tokenizer
 

@@ -51,7 +51,8 @@ class ProposerContext:
     device: str
     num_slots: int  # KV-cache slots: sequences are identified by Sequence.slot
     max_model_len: int
-    # name or path -> model in the engine's dtype, on the engine's device unless device= names another
+    # name or path -> model in the engine's dtype, on the engine's device unless device= names
+    # another (and requantize= as load_model's); a model handed to the engine loaded comes back as it is
     load_model: Callable[..., "LoadedModel"]
 
 

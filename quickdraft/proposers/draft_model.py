@@ -25,13 +25,12 @@ import dataclasses
 import time
 
 import torch
-from tqdm import tqdm
 
 from quickdraft.engine.cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
-from quickdraft.models.ggml import BLOCKS, BlockWeight, bits, on_blocks, requantize
+from quickdraft.models.ggml import BlockWeight, on_blocks, requantize_wider, wider
 from quickdraft.models.kernels import block_linear
 from quickdraft.models.loader import cached_blocks, ids_key, select_rows
 from quickdraft.models.memory import into_huge_pages
@@ -64,7 +63,11 @@ class DraftModelProposer:
     @classmethod
     def from_config(cls, spec, ctx) -> "DraftModelProposer":
         device = available_device(spec.draft_device or ctx.device)
-        draft = ctx.load_model(spec.model, device=device)
+        requant = "Q4_0" if spec.quantization == "q4_0" else None
+        if requant and (torch.device(device).type != "cpu" or block_linear() is None):
+            raise ConfigError('quantization "q4_0" runs the draft on the CPU\'s GGUF block kernels (AVX512-VNNI), '
+                              f"which the draft's device {device!r} does not have", "quantization")
+        draft = ctx.load_model(spec.model, device=device, requantize=requant)
         check_same_vocabulary(ctx.target, draft)
         quantize = spec.quantization
         stored = on_blocks(draft.weights)
@@ -75,13 +78,10 @@ class DraftModelProposer:
             raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
                               'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
                               "quantization")
-        if quantize == "q4_0" and (torch.device(device).type != "cpu" or block_linear() is None):
-            raise ConfigError('quantization "q4_0" runs the draft on the CPU\'s GGUF block kernels (AVX512-VNNI), '
-                              f"which the draft's device {device!r} does not have", "quantization")
         head_ids = draft_vocab.resolve(spec, draft)
         config, weights = (draft.config, draft.weights) if head_ids is None else truncated_head(draft, head_ids)
-        if quantize == "q4_0":
-            weights, quantize = requantized(draft, weights, "Q4_0", "full" if head_ids is None else ids_key(head_ids)), None
+        if requant:
+            weights, quantize = requantized(draft, weights, requant, "full" if head_ids is None else ids_key(head_ids)), None
         return cls(Decoder(config, weights, quantize=quantize), ctx.num_slots, ctx.max_model_len,
                    spec.draft_confidence_threshold, calibrate_cost=spec.adaptive, head_ids=head_ids)
 
@@ -220,22 +220,14 @@ def truncated_head(draft, ids: torch.Tensor):
 
 
 def requantized(draft, weights: dict, kind: str, head: str) -> dict:
-    """``weights`` with every matrix stored in more bits a weight than ``kind`` (a GGUF block format)
-    quantized again into it, the embedding and the output head included: a draft's step reads all
-    of them, and its exactness does not matter (the target verifies). Made once (about 5 s for the
-    Qwen 0.5B) and kept beside the draft's conversion; ``head`` names the output head's rows."""
-    def wider(w) -> bool:
-        if isinstance(w, BlockWeight):
-            return bits(w.ggml_type) > bits(kind)
-        return w.dim() == 2 and w.shape[1] % BLOCKS[kind][0] == 0
-    names = [n for n, w in weights.items() if wider(w)]
+    """``weights`` of a draft handed in already loaded, with every matrix wider than ``kind``
+    requantized (``ggml.requantize_wider``; a draft loaded here by name comes requantized from
+    the loader instead), made once and kept beside its conversion; ``head`` names the output
+    head's rows."""
+    names = [n for n, w in weights.items() if wider(w, kind)]
     if not names:
         return weights
-
-    def build() -> dict:
-        return {n: requantize(weights[n], kind) for n in tqdm(names, desc=f"draft to {kind}", leave=False)}
-
-    made = cached_blocks(draft, f"{kind.lower()}-{head}", build)
+    made = cached_blocks(draft, f"{kind.lower()}-{head}", lambda: requantize_wider({n: weights[n] for n in names}, kind))
     device = next(iter(weights.values())).device
     # the weights kept as they were are copied out of the loaded file's arena (fresh), which is
     # then freed instead of held by their views

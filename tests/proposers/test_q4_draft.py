@@ -17,7 +17,7 @@ from quickdraft.errors import ConfigError
 from quickdraft.models import ggml
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.kernels import block_linear
-from quickdraft.proposers import draft_model
+from quickdraft.models.loader import load_model
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["def fibonacci(n):", "The three primary colors are"]
@@ -65,11 +65,20 @@ def test_a_4_bit_draft_keeps_the_output_and_is_cached(smollm2_path, tmp_cache, m
     def no_requantize(*args, **kwargs):
         raise AssertionError("requantized again")
 
-    monkeypatch.setattr(draft_model, "requantize", no_requantize)
+    monkeypatch.setattr(ggml, "requantize", no_requantize)
     config = EngineConfig(model=MODEL, dtype="bfloat16", max_model_len=64, max_num_seqs=1,
                           speculative=SpeculativeConfig.parse(spec))
     again = Engine(config).proposer.model
     assert {w.ggml_type for w in again.w.values() if isinstance(w, BlockWeight)} == {"Q4_0"}
+
+    # a draft handed in already loaded (as the bench does) is requantized too, and cached apart
+    loaded = load_model(MODEL, torch.bfloat16, quantization="gguf")
+    assert "Q4_0" not in {w.ggml_type for w in loaded.weights.values() if isinstance(w, BlockWeight)}  # as stored
+    monkeypatch.undo()
+    handed = Engine(EngineConfig(model=MODEL, dtype="bfloat16", max_model_len=64, max_num_seqs=1,
+                                 speculative=SpeculativeConfig.parse({**spec, "model": loaded}))).proposer.model
+    assert {w.ggml_type for w in handed.w.values() if isinstance(w, BlockWeight)} == {"Q4_0"}
+    assert all(torch.equal(handed.w[n].data, again.w[n].data) for n in again.w if isinstance(again.w[n], BlockWeight))
 
 
 def test_a_4_bit_draft_needs_the_block_kernels(smollm2_path, no_kernels):
