@@ -49,6 +49,9 @@ RECENT = 64  # passes kept for the refit
 # rows put the 1.5B's one-row pass at 31 ms for a measured 36-43 and the draft's at 10.5 for
 # 13.5-14, and so planned K=1 where fixed K=4 was faster (tests/engine/test_cost.py).
 KNEE = 4
+# Passes of a kind (draft passes, verification passes of several rows) the refit must have timed
+# before the plan is trusted to keep a due probe from drafting (engine.py, _num_draft).
+TRUSTED_PASSES = 16
 ANCHOR_WEIGHT = 2.0  # a calibration point weighs as much as this many timed passes
 
 
@@ -102,6 +105,10 @@ class LinearCost:
     def observe(self, rows: int, seconds: float, chains: int = 1, keys: int = 0) -> None:
         self._recent.append(self._point(rows, chains, keys, seconds))
         self._coef = None
+
+    def observed(self, min_rows: int = 1) -> int:
+        """Passes of at least ``min_rows`` rows timed since the calibration (the last RECENT)."""
+        return sum(1 for p in self._recent if p[1] >= min_rows)
 
     def _fit(self) -> np.ndarray:
         pts = np.array(self._anchors + list(self._recent))

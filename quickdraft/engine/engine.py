@@ -13,7 +13,7 @@ import itertools
 import time
 
 from quickdraft.config import EngineConfig
-from quickdraft.engine.cost import Acceptance, calibrate, expected_tokens, plan_draft_lengths
+from quickdraft.engine.cost import TRUSTED_PASSES, Acceptance, calibrate, expected_tokens, plan_draft_lengths
 from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
@@ -146,8 +146,16 @@ class Engine:
         # did not draft), and drafts from then on: that cost is shared by the steps still to come.
         catchup = [self.proposer.catchup_rows(s) for s in seqs]
         shares = [max(1.0, room / expected_tokens(alpha, cap)) for room, alpha, cap in zip(rooms, alphas, caps)]
-        return plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
-                                  [s.num_pending for s in seqs], [s.num_cached for s in seqs], catchup, shares)
+        ks = plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
+                                [s.num_pending for s in seqs], [s.num_cached for s in seqs], catchup, shares)
+        # The costs start from a calibration kept per machine, model and kernel version, and one
+        # timed on a busy machine can price drafts out for good: a draft never run is never timed
+        # again. So until the refit has timed enough draft passes and verification passes, a due
+        # probe drafts its whole cap whatever the plan says; after that the plan decides.
+        target, draft = self.runner.target_cost, self.proposer.cost
+        untried = (target is not None and target.observed(min_rows=2) < TRUSTED_PASSES) or (
+            draft is not None and draft.observed() < TRUSTED_PASSES)
+        return [cap if d and untried and k == 0 else k for k, d, cap in zip(ks, due, caps)]
 
     def _forced_room(self, seqs: list[Sequence]) -> list[int]:
         """The most forced grammar tokens each sequence may draft this step (structured.py): free

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
-from quickdraft.engine.cost import LinearCost
+from quickdraft.engine.cost import TRUSTED_PASSES, LinearCost
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
 from quickdraft.models.loader import LoadedModel
@@ -49,6 +49,9 @@ class FrozenCost(LinearCost):
 
     def observe(self, *args):
         pass
+
+    def observed(self, min_rows: int = 1) -> int:
+        return TRUSTED_PASSES  # known costs: the plan is trusted from the start
 
 
 def run(spec: dict | None, prompts, params, max_num_seqs=4, costs: tuple | None = None):
@@ -140,6 +143,23 @@ def test_dear_rows_turn_speculation_off(plain):
     outs, stats = run(spec, PROMPTS, params, costs=(FrozenCost(0.1, 0.05), FrozenCost(0.1, 0.05)))
     assert [o.token_ids for o in outs] == plain
     assert stats.num_draft_tokens == 0
+
+
+def test_a_calibration_that_prices_drafts_out_is_probed_and_corrected(plain):
+    """A draft calibrated at 10 s a pass (a busy machine's timing, kept in the cache) would never
+    draft, and so never be timed again; until the refit has timed enough passes, a due probe drafts
+    its cap anyway, and the timings it brings pull the draft's cost down."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3, "adaptive": True,
+            "probe_interval": 4}
+    poisoned = LinearCost([(1, 10.0), (33, 10.0)])
+    config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=4, speculative=SpeculativeConfig.parse(spec))
+    engine = Engine(config, target=TARGET)
+    engine.proposer.cost = poisoned
+    outs = engine.generate_ids(PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    assert engine.stats.num_draft_tokens > 0 and poisoned.observed() > 0
+    assert poisoned(1) < 10.0 * 0.9  # the timed passes (milliseconds) moved the fit
 
 
 def test_ngram_greedy_equals_plain(plain):
