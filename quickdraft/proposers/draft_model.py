@@ -17,6 +17,10 @@ draft's output head to a subset of the vocabulary (proposers/draft_vocab.py): th
 argmax and q are over the subset, mapped back to full ids, and q is handed on as the full-vocabulary
 distribution it is, zero outside the subset. None of them can change the output: only the
 target's verification decides.
+
+A draft with another tokenizer is refused here (``check_same_vocabulary``), unless the config asks
+for ``cross_tokenizer``: then ``from_config`` builds proposers/draft_text.py's proposer, which drafts
+through text.
 """
 
 from __future__ import annotations
@@ -59,21 +63,12 @@ class DraftModelProposer:
         self.cost = calibrate(draft, self.kv) if calibrate_cost else None
 
     @classmethod
-    def from_config(cls, spec, ctx) -> "DraftModelProposer":
-        device = available_device(spec.draft_device or ctx.device)
-        draft = ctx.load_model(spec.model, device=device)
-        check_same_vocabulary(ctx.target, draft)
-        quantize = spec.quantization
-        stored = on_blocks(draft.weights)
-        if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
-            on_cpu = torch.device(device).type == "cpu"  # the int8 kernel is a CPU kernel
-            quantize = "int8" if on_cpu and quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
-        if quantize == "int8" and stored:
-            raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
-                              'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
-                              "quantization")
-        head_ids = draft_vocab.resolve(spec, draft)
-        config, weights = (draft.config, draft.weights) if head_ids is None else truncated_head(draft, head_ids)
+    def from_config(cls, spec, ctx):
+        if spec.cross_tokenizer:  # a draft of any vocabulary, proposing through text
+            from quickdraft.proposers.draft_text import TextDraftProposer
+
+            return TextDraftProposer.from_config(spec, ctx)
+        draft, config, weights, quantize, head_ids = load_draft(spec, ctx, check_vocabulary=True)
         return cls(Decoder(config, weights, quantize=quantize), ctx.num_slots, ctx.max_model_len,
                    spec.draft_confidence_threshold, calibrate_cost=spec.adaptive, head_ids=head_ids)
 
@@ -114,14 +109,10 @@ class DraftModelProposer:
     def _forward(self, seqs, feeds: list[list[int]]) -> torch.Tensor:
         """Run the draft over each sequence's unseen tokens; logits of each one's last row."""
         slots = [s.slot for s in seqs]
-        ctx = [self._cached[slot] for slot in slots]
-        meta = AttentionMetadata.chain(slots, ctx, [len(f) for f in feeds])
-        tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.model.device)
-        hidden = self.model.forward(tokens, meta.positions(self.model.device), self.kv, meta)
-        last = torch.tensor(meta.query_lens).cumsum(0) - 1
+        logits = draft_pass(self.model, self.kv, slots, [self._cached[slot] for slot in slots], feeds)
         for slot, f in zip(slots, feeds):
             self._cached[slot] += len(f)
-        return self.model.logits(hidden[last.to(hidden.device)])
+        return logits
 
     def _sample(self, seqs, logits, sampled: bool):
         """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
@@ -133,12 +124,7 @@ class DraftModelProposer:
         return sample_draft(logits, batch, uniforms)
 
     def _confident(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[bool]:
-        """[n] whether the draft's probability of its own token (at temperature 1) clears the
-        threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
-        if self.threshold <= 0.0:
-            return [True] * logits.shape[0]
-        p = torch.softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).squeeze(1)
-        return (p >= self.threshold).tolist()
+        return confident(logits, tokens, self.threshold)
 
     def observe(self, seqs, outcome) -> None:
         # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.
@@ -161,6 +147,47 @@ class DraftModelProposer:
 
     def close(self) -> None:
         pass
+
+
+def load_draft(spec, ctx, check_vocabulary: bool):
+    """The draft of a speculative config, ready for a Decoder: (loaded model, config, weights,
+    quantization, head_ids), with the config's device, int8 and truncated-head options resolved.
+    ``check_vocabulary``: refuse a draft whose vocabulary is not the target's."""
+    device = available_device(spec.draft_device or ctx.device)
+    draft = ctx.load_model(spec.model, device=device)
+    if check_vocabulary:
+        check_same_vocabulary(ctx.target, draft)
+    quantize = spec.quantization
+    stored = on_blocks(draft.weights)
+    if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
+        on_cpu = torch.device(device).type == "cpu"  # the int8 kernel is a CPU kernel
+        quantize = "int8" if on_cpu and quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
+    if quantize == "int8" and stored:
+        raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
+                          'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
+                          "quantization")
+    head_ids = draft_vocab.resolve(spec, draft)
+    config, weights = (draft.config, draft.weights) if head_ids is None else truncated_head(draft, head_ids)
+    return draft, config, weights, quantize, head_ids
+
+
+def draft_pass(model: Decoder, kv: KVCache, slots: list[int], cached: list[int], feeds: list[list[int]]) -> torch.Tensor:
+    """One draft pass: each slot's ``feeds`` tokens [len_i] at positions ``cached[i]``.. written
+    into ``kv``; logits [len(slots), N] of each feed's last row."""
+    meta = AttentionMetadata.chain(slots, cached, [len(f) for f in feeds])
+    tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=model.device)
+    hidden = model.forward(tokens, meta.positions(model.device), kv, meta)
+    last = torch.tensor(meta.query_lens).cumsum(0) - 1
+    return model.logits(hidden[last.to(hidden.device)])
+
+
+def confident(logits: torch.Tensor, tokens: torch.Tensor, threshold: float) -> list[bool]:
+    """[n] whether the draft's probability of its own token (at temperature 1) clears the
+    threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
+    if threshold <= 0.0:
+        return [True] * logits.shape[0]
+    p = torch.softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).squeeze(1)
+    return (p >= threshold).tolist()
 
 
 def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Tensor):
@@ -218,7 +245,8 @@ def check_same_vocabulary(target, draft) -> None:
         raise ConfigError(
             f"the draft model's vocabulary ({draft.config.vocab_size} tokens, {draft.source}) differs from "
             f"the target's ({target.config.vocab_size} tokens, {target.source}); a draft must share the "
-            "target's tokenizer", "model",
+            "target's tokenizer, or propose through text: add \"cross_tokenizer\": true to the speculative config "
+            "(universal assisted generation: drafts re-encoded with the target's tokenizer)", "model",
         )
 
 
