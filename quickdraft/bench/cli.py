@@ -183,7 +183,7 @@ def build_config(settings: dict, args):
             vs.append(Variant(s.method, s.num_speculative_tokens,
                               s.prompt_lookup_max if s.method == "ngram" else None,
                               s.prompt_lookup_min if s.method == "ngram" else None, s.model, s.adaptive,
-                              s.num_branches))
+                              s.num_branches, s.cross_tokenizer))
     vs = list(dict.fromkeys(vs))
     peers = [p for p in _names(settings["peers"]) if p != "none"]
     bad = [p for p in peers if p not in PEERS]

@@ -47,6 +47,7 @@ class Variant:
     draft: str | None = None  # draft_model only: the draft's name or path
     adaptive: bool = True  # K planned per step up to k (engine/cost.py); False: always k
     branches: int = 1  # ngram, suffix: > 1 drafts token trees of at most k nodes
+    cross_tokenizer: bool = False  # draft_model: the draft proposes through text (proposers/draft_text.py)
 
     @property
     def name(self) -> str:
@@ -54,6 +55,8 @@ class Variant:
             return "none"
         fixed = "" if self.adaptive else " fixed"
         tree = f" tree B={self.branches}" if self.branches > 1 else ""
+        if self.cross_tokenizer:
+            tree += f" text {os.path.basename(self.draft or '')}"
         if self.method == "ngram":
             return f"ngram K={self.k}{fixed}{tree} n={self.lookup_min}..{self.lookup_max}"
         return f"{self.method} K={self.k}{fixed}{tree}"
@@ -66,6 +69,8 @@ class Variant:
             spec.update(prompt_lookup_max=self.lookup_max, prompt_lookup_min=self.lookup_min)
         if self.method == "draft_model":
             spec["model"] = draft
+            if self.cross_tokenizer:
+                spec["cross_tokenizer"] = True
         if self.branches > 1:
             spec["num_branches"] = self.branches
         return spec
