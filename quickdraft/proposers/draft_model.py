@@ -2,7 +2,8 @@
 tokens by decoding autoregressively (Leviathan et al. 2023; Chen et al. 2023).
 
 It samples from its own distribution q under the request's sampling parameters (argmax when
-greedy) and hands q on, so that the verifier's min(1, p/q) rule keeps the output distribution the
+greedy; under a request's grammar, q masked by the grammar walked along the draft's own tokens,
+structured.py) and hands q on, so that the verifier's min(1, p/q) rule keeps the output distribution the
 target's. The draft's cache is indexed by the same slot as the target's. ``_cached[slot]`` counts
 the sequence's tokens whose keys are in the draft cache; a pass feeds it everything after that, so
 after a rejection (or after the bonus token) the draft catches up in the first pass of the next
@@ -79,32 +80,66 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         sampled = any(not seqs[i].params.greedy for i in active)
         feed = {i: seqs[i].token_ids[self._cached[seqs[i].slot] :] for i in active}
-        for step in range(max(num_tokens, default=0)):
-            active = [i for i in active if num_tokens[i] > step]
-            if not active:
-                break
-            started = time.perf_counter()
-            timed = self.cost is not None and max(len(feed[i]) for i in active) <= MAX_OBSERVED_FEED
-            if timed:
-                rows = sum(len(feed[i]) for i in active)
-                keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
-            logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), N]
-            tokens, q = self._sample([seqs[i] for i in active], logits, sampled)  # rows of the head
-            confident = self._confident(logits, tokens)  # [len(active)] bool
-            tokens, q = to_vocab(tokens, q, self.head_ids, self.vocab_size)  # ids [len(active)], q [len(active), V]
-            tokens = tokens.tolist()
-            if timed:
-                self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
-            for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                if q is not None:
-                    probs[i].append(q[row])
-                feed[i] = [tokens[row]]
-                if not confident[row]:
-                    num_tokens[i] = step + 1  # this token is proposed, no more after it
+        # a grammar walks along the draft's own tokens, so that each is drawn under its mask; it
+        # steps back before verification (structured.py, "draft masks")
+        grammars = {i: seqs[i].grammar for i in active if seqs[i].grammar is not None}
+        walked = dict.fromkeys(grammars, 0)
+        try:
+            for step in range(max(num_tokens, default=0)):
+                active = [i for i in active if num_tokens[i] > step]
+                if not active:
+                    break
+                started = time.perf_counter()
+                timed = self.cost is not None and max(len(feed[i]) for i in active) <= MAX_OBSERVED_FEED
+                if timed:
+                    rows = sum(len(feed[i]) for i in active)
+                    keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
+                logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), N]
+                ended = set()
+                if grammars:
+                    logits, ended = self._grammar_mask(logits, active, grammars)
+                tokens, q = self._sample([seqs[i] for i in active], logits, sampled)  # rows of the head
+                confident = self._confident(logits, tokens)  # [len(active)] bool
+                tokens, q = to_vocab(tokens, q, self.head_ids, self.vocab_size)  # ids [len(active)], q [len(active), V]
+                tokens = tokens.tolist()
+                if timed:
+                    self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
+                for row, i in enumerate(active):
+                    if i in ended:  # its grammar allows nothing more (or nothing the head has)
+                        num_tokens[i] = step
+                        continue
+                    drafts[i].append(tokens[row])
+                    if q is not None:
+                        probs[i].append(q[row])
+                    feed[i] = [tokens[row]]
+                    if not confident[row]:
+                        num_tokens[i] = step + 1  # this token is proposed, no more after it
+                    if i in grammars:
+                        if not grammars[i].advance(tokens[row]):
+                            raise RuntimeError(f"the grammar refused draft token {tokens[row]} drawn under its mask: "
+                                               f"{grammars[i].error}")
+                        walked[i] += 1
+        finally:
+            for i, g in grammars.items():
+                g.rollback(walked[i])
         flat = [t for d in drafts for t in d]
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
+
+    def _grammar_mask(self, logits: torch.Tensor, active: list[int], grammars: dict) -> tuple[torch.Tensor, set[int]]:
+        """logits [n, N] with each grammar row's disallowed tokens at -inf (a copy), and the
+        sequences whose grammar allows none of the head's tokens (their row is left as it was)."""
+        allowed = torch.ones(logits.shape, dtype=torch.bool)  # [n, N]
+        ended = set()
+        for row, i in enumerate(active):
+            if i in grammars:
+                m = grammars[i].mask()  # [V]
+                m = m if self.head_ids is None else m[self.head_ids.cpu()]
+                if m.any():
+                    allowed[row] = m
+                else:
+                    ended.add(i)
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf")), ended
 
     def _forward(self, seqs, feeds: list[list[int]]) -> torch.Tensor:
         """Run the draft over each sequence's unseen tokens; logits of each one's last row."""
