@@ -72,7 +72,9 @@ class TextDraftProposer:
             if k > 0:
                 view = self.views[s.slot]
                 self.bridge.follow(view, s.token_ids)
-                budget[i] = max(0, min(k, self.max_len - len(view.ids)))  # room left in the draft's cache
+                if len(view.kv) >= len(view.ids):  # all read already: read the last token again, for its logits
+                    view.kv = view.ids[: len(view.ids) - 1]
+                budget[i] = max(0, min(k, self.max_len - len(view.ids))) if view.ids else 0  # room in the draft's cache
         active = [i for i, k in enumerate(budget) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         feed = {i: self.views[seqs[i].slot].ids[len(self.views[seqs[i].slot].kv) :] for i in active}
