@@ -167,7 +167,7 @@ def test_the_target_as_its_own_draft_through_text(smollm2, plain_smollm2):
     plain = plain_smollm2
     outs, stats = generate(smollm2, spec(smollm2))
     assert outs == plain
-    assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > 3.5
+    assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > 2.5
 
 
 @pytest.mark.slow
