@@ -62,6 +62,13 @@ class SpeculativeConfig:
     # draft_model: a file of token ids (a JSON list, or one id a line) to use as the draft's
     # vocabulary instead of the counted one; special and end-of-text tokens are always added.
     draft_vocab_file: str | None = None
+    # draft_model: the draft may have another tokenizer (transformers' "universal assisted
+    # generation"): it reads its own tokenization of the target's text, and its greedy tokens are
+    # decoded to text and re-encoded with the target's tokenizer (proposers/draft_text.py). They
+    # are verified as point masses, so the output stays exactly the target's; a draft with the
+    # target's vocabulary is accepted too (it then drafts through text as well). False: the draft
+    # must share the target's vocabulary, which it is refused without.
+    cross_tokenizer: bool = False
     # suffix (proposers/suffix.py; the first four are vLLM's keys, with its defaults): the suffix
     # tries hold every window of this many tokens; a match is at most depth - K tokens long
     suffix_decoding_max_tree_depth: int = 24
@@ -129,6 +136,11 @@ class SpeculativeConfig:
         if f is not None and (not isinstance(f, str) or not f):
             raise ConfigError(f"draft_vocab_file must be a path to a file of token ids, got {f!r}", "draft_vocab_file")
         self._check_suffix()
+        if not isinstance(self.cross_tokenizer, bool):
+            raise ConfigError(f"cross_tokenizer must be true or false, got {self.cross_tokenizer!r}", "cross_tokenizer")
+        if self.cross_tokenizer and self.method != "draft_model":
+            raise ConfigError(f'cross_tokenizer is for method "draft_model" (a draft model with another tokenizer), '
+                              f"not {self.method!r}", "cross_tokenizer")
         d = self.draft_device
         if d is not None:
             if not isinstance(d, str) or not DEVICE_PATTERN.fullmatch(d):

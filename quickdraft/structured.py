@@ -11,6 +11,10 @@ output tokens. Terms:
   the grammar's after the matcher has consumed d_1..d_j (tentatively: ``masks`` rolls back).
 * *cut*: a draft is cut before its first token the grammar rejects (``allowed_prefix``), before
   the target's pass, so no row is spent on it (that token would be rejected anyway: p = 0).
+* *draft masks*: a draft model samples its tokens under the grammar too: at each draft step the
+  matcher gives the mask of the state after the draft's own tokens so far (``mask``), the draft's
+  logits are masked with it, the sampled token is consumed, and after the draft the matcher rolls
+  back (``rollback``). The q handed to the verifier is the masked one the draft sampled from.
 * *forced tokens* (llguidance's fast-forward tokens): where the grammar allows exactly one
   continuation (a schema's keys and punctuation), its tokens are proposed as drafts for free.
   They are point masses (q = 1) and are verified like any draft, so they stay lossless even where
@@ -166,8 +170,19 @@ class GrammarMatcher:
                 raise RuntimeError(f"grammar rejected draft token {drafts[j]} that it had validated: {self._m.get_error()}")
         if drafts:
             self._m.rollback(len(drafts))
-        bits = (words.unsqueeze(-1) >> self._bits) & 1  # [K + 1, W, 32]
-        return bits.reshape(len(drafts) + 1, -1)[:, : self.vocab_size].bool()
+        return self._unpack(words)
+
+    def mask(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens allowed next (none once the grammar has stopped)."""
+        words = torch.zeros(1, self._words, dtype=torch.int32)  # [1, W]
+        if not self._m.is_stopped():
+            self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        return self._unpack(words)[0]
+
+    def _unpack(self, words: torch.Tensor) -> torch.Tensor:
+        """[n, W] int32 bitmasks -> [n, vocab_size] bool."""
+        bits = (words.unsqueeze(-1) >> self._bits) & 1  # [n, W, 32]
+        return bits.reshape(words.shape[0], -1)[:, : self.vocab_size].bool()
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (its only continuation). They are
@@ -181,6 +196,12 @@ class GrammarMatcher:
     def advance(self, token: int) -> bool:
         """Consume an emitted token; False if the grammar did not allow it (then it is in error)."""
         return self._m.consume_token(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` ``advance``s: a draft model walks the grammar along its own
+        draft tokens (proposers/draft_model.py) and steps back before verification."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
 
     @property
     def terminated(self) -> bool:

@@ -73,6 +73,7 @@ def test_draft_with_another_vocabulary_is_refused(capsys, smollm2_path, qwen05_p
     code, _, err = run_cli(capsys, "generate", "hi", "--speculative-config",
                            '{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct"}')
     assert code == 2 and "vocabulary" in err
+    assert '"cross_tokenizer": true' in err  # the way to use such a draft: through text
 
 
 def test_missing_package_prints_the_pip_line(capsys, monkeypatch):

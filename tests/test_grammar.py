@@ -38,6 +38,24 @@ def test_masks_follow_the_drafts_and_roll_back(compiler, smollm2_tokenizer):
     assert m.terminated and m.forced(4) == []
 
 
+def test_a_draft_walks_the_grammar_and_steps_back(compiler, smollm2_tokenizer):
+    """``mask`` is the state's row of ``masks``; ``advance`` then ``rollback`` leaves the state as
+    it was (what a draft model does along its own tokens)."""
+    tok = smollm2_tokenizer
+    m = compiler.matcher(StructuredSpec.json_schema(SCHEMA))
+    text = tok.encode('{"name": "Ada", "age": 36}')
+    rows = m.masks(text[:4])  # [5, V]
+    for j in range(4):
+        assert torch.equal(m.mask(), rows[j])
+        assert m.advance(text[j])
+    assert torch.equal(m.mask(), rows[4])
+    m.rollback(4)
+    assert torch.equal(m.mask(), rows[0]) and m.allowed_prefix(text) == len(text)
+    for t in text:
+        m.advance(t)
+    assert m.terminated and not m.mask().any()  # stopped: the draft proposes nothing more
+
+
 def test_a_stopped_grammar_keeps_the_end_of_sequence():
     rows = torch.zeros(2, 5)
     apply_masks(rows, torch.tensor([[True, False, False, False, False], [False] * 5]), [4])

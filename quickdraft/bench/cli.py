@@ -27,7 +27,7 @@ QWEN15, QWEN05 = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 # the speculative config's keys that a Variant holds in its own fields; any other key of
 # --speculative-config's variant goes into Variant.options
 VARIANT_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "adaptive",
-                "num_branches"}
+                "num_branches", "cross_tokenizer"}
 DEFAULTS = {
     "model": "smollm2-135m-instruct", "draft_model": None, "datasets": "humaneval", "limit": 10,
     "categories": None, "max_tokens": 128, "temperature": 0.0, "seed": 0, "num_seeds": None, "repeats": 1,
@@ -190,7 +190,7 @@ def build_config(settings: dict, args):
             vs.append(Variant(s.method, s.num_speculative_tokens,
                               s.prompt_lookup_max if s.method == "ngram" else None,
                               s.prompt_lookup_min if s.method == "ngram" else None, s.model, s.adaptive,
-                              s.num_branches, options))
+                              s.num_branches, s.cross_tokenizer, options))
     vs = list(dict.fromkeys(vs))
     peers = [p for p in _names(settings["peers"]) if p != "none"]
     bad = [p for p in peers if p not in PEERS]

@@ -47,6 +47,7 @@ class Variant:
     draft: str | None = None  # draft_model only: the draft's name or path
     adaptive: bool = True  # K planned per step up to k (engine/cost.py); False: always k
     branches: int = 1  # ngram, suffix: > 1 drafts token trees of at most k nodes
+    cross_tokenizer: bool = False  # draft_model: the draft proposes through text (proposers/draft_text.py)
     # any other keys of the speculative config, as (key, value) pairs (--speculative-config's
     # variant: {"quantization": "q4_0"}, {"draft_vocab_size": 32768}, ...)
     options: tuple = ()
@@ -57,6 +58,8 @@ class Variant:
             return "none"
         fixed = "" if self.adaptive else " fixed"
         tree = f" tree B={self.branches}" if self.branches > 1 else ""
+        if self.cross_tokenizer:
+            tree += f" text {os.path.basename(self.draft or '')}"
         extra = "".join(f" {k}={v}" for k, v in self.options)
         if self.method == "ngram":
             return f"ngram K={self.k}{fixed}{tree} n={self.lookup_min}..{self.lookup_max}{extra}"
@@ -70,6 +73,8 @@ class Variant:
             spec.update(prompt_lookup_max=self.lookup_max, prompt_lookup_min=self.lookup_min)
         if self.method == "draft_model":
             spec["model"] = draft
+            if self.cross_tokenizer:
+                spec["cross_tokenizer"] = True
         if self.branches > 1:
             spec["num_branches"] = self.branches
         return spec | dict(self.options)

@@ -24,7 +24,7 @@ def _obj(required: dict, optional: dict | None = None) -> dict:
 VARIANT = _obj({"name": STR, "method": {"enum": list(METHODS)}, "k": INT,
                 "lookup_max": {"type": ["integer", "null"]}, "lookup_min": {"type": ["integer", "null"]},
                 "draft": {"type": ["string", "null"]}, "adaptive": {"type": "boolean"}},
-               {"branches": INT})
+               {"branches": INT, "cross_tokenizer": {"type": "boolean"}})
 
 RUN = _obj({
     "request": STR, "variant": STR, "seed": {"type": ["integer", "null"]}, "repeat": INT, "token_ids": INTS,

@@ -2,7 +2,8 @@
 tokens by decoding autoregressively (Leviathan et al. 2023; Chen et al. 2023).
 
 It samples from its own distribution q under the request's sampling parameters (argmax when
-greedy) and hands q on, so that the verifier's min(1, p/q) rule keeps the output distribution the
+greedy; under a request's grammar, q masked by the grammar walked along the draft's own tokens,
+structured.py) and hands q on, so that the verifier's min(1, p/q) rule keeps the output distribution the
 target's. The draft's cache is indexed by the same slot as the target's. ``_cached[slot]`` counts
 the sequence's tokens whose keys are in the draft cache; a pass feeds it everything after that, so
 after a rejection (or after the bonus token) the draft catches up in the first pass of the next
@@ -17,6 +18,10 @@ draft's output head to a subset of the vocabulary (proposers/draft_vocab.py): th
 argmax and q are over the subset, mapped back to full ids, and q is handed on as the full-vocabulary
 distribution it is, zero outside the subset. None of them can change the output: only the
 target's verification decides.
+
+A draft with another tokenizer is refused here (``check_same_vocabulary``), unless the config asks
+for ``cross_tokenizer``: then ``from_config`` builds proposers/draft_text.py's proposer, which drafts
+through text.
 """
 
 from __future__ import annotations
@@ -61,27 +66,12 @@ class DraftModelProposer:
         self.cost = calibrate(draft, self.kv) if calibrate_cost else None
 
     @classmethod
-    def from_config(cls, spec, ctx) -> "DraftModelProposer":
-        device = available_device(spec.draft_device or ctx.device)
-        requant = "Q4_0" if spec.quantization == "q4_0" else None
-        if requant and (torch.device(device).type != "cpu" or block_linear() is None):
-            raise ConfigError('quantization "q4_0" runs the draft on the CPU\'s GGUF block kernels (AVX512-VNNI), '
-                              f"which the draft's device {device!r} does not have", "quantization")
-        draft = ctx.load_model(spec.model, device=device, requantize=requant)
-        check_same_vocabulary(ctx.target, draft)
-        quantize = spec.quantization
-        stored = on_blocks(draft.weights)
-        if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
-            on_cpu = torch.device(device).type == "cpu"  # the int8 kernel is a CPU kernel
-            quantize = "int8" if on_cpu and quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
-        if quantize == "int8" and stored:
-            raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
-                              'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
-                              "quantization")
-        head_ids = draft_vocab.resolve(spec, draft)
-        config, weights = (draft.config, draft.weights) if head_ids is None else truncated_head(draft, head_ids)
-        if requant:
-            weights, quantize = requantized(draft, weights, requant, "full" if head_ids is None else ids_key(head_ids)), None
+    def from_config(cls, spec, ctx):
+        if spec.cross_tokenizer:  # a draft of any vocabulary, proposing through text
+            from quickdraft.proposers.draft_text import TextDraftProposer
+
+            return TextDraftProposer.from_config(spec, ctx)
+        draft, config, weights, quantize, head_ids = load_draft(spec, ctx, check_vocabulary=True)
         return cls(Decoder(config, weights, quantize=quantize), ctx.num_slots, ctx.max_model_len,
                    spec.draft_confidence_threshold, calibrate_cost=spec.adaptive, head_ids=head_ids)
 
@@ -92,44 +82,74 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         sampled = any(not seqs[i].params.greedy for i in active)
         feed = {i: seqs[i].token_ids[self._cached[seqs[i].slot] :] for i in active}
-        for step in range(max(num_tokens, default=0)):
-            active = [i for i in active if num_tokens[i] > step]
-            if not active:
-                break
-            started = time.perf_counter()
-            timed = self.cost is not None and max(len(feed[i]) for i in active) <= MAX_OBSERVED_FEED
-            if timed:
-                rows = sum(len(feed[i]) for i in active)
-                keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
-            logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), N]
-            tokens, q = self._sample([seqs[i] for i in active], logits, sampled)  # rows of the head
-            confident = self._confident(logits, tokens)  # [len(active)] bool
-            tokens, q = to_vocab(tokens, q, self.head_ids, self.vocab_size)  # ids [len(active)], q [len(active), V]
-            tokens = tokens.tolist()
-            if timed:
-                self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
-            for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                if q is not None:
-                    probs[i].append(q[row])
-                feed[i] = [tokens[row]]
-                if not confident[row]:
-                    num_tokens[i] = step + 1  # this token is proposed, no more after it
+        # a grammar walks along the draft's own tokens, so that each is drawn under its mask; it
+        # steps back before verification (structured.py, "draft masks")
+        grammars = {i: seqs[i].grammar for i in active if seqs[i].grammar is not None}
+        walked = dict.fromkeys(grammars, 0)
+        try:
+            for step in range(max(num_tokens, default=0)):
+                active = [i for i in active if num_tokens[i] > step]
+                if not active:
+                    break
+                started = time.perf_counter()
+                timed = self.cost is not None and max(len(feed[i]) for i in active) <= MAX_OBSERVED_FEED
+                if timed:
+                    rows = sum(len(feed[i]) for i in active)
+                    keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
+                logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), N]
+                ended = set()
+                if grammars:
+                    logits, ended = self._grammar_mask(logits, active, grammars)
+                tokens, q = self._sample([seqs[i] for i in active], logits, sampled)  # rows of the head
+                confident = self._confident(logits, tokens)  # [len(active)] bool
+                tokens, q = to_vocab(tokens, q, self.head_ids, self.vocab_size)  # ids [len(active)], q [len(active), V]
+                tokens = tokens.tolist()
+                if timed:
+                    self.cost.observe(rows, time.perf_counter() - started, len(active), keys)
+                for row, i in enumerate(active):
+                    if i in ended:  # its grammar allows nothing more (or nothing the head has)
+                        num_tokens[i] = step
+                        continue
+                    drafts[i].append(tokens[row])
+                    if q is not None:
+                        probs[i].append(q[row])
+                    feed[i] = [tokens[row]]
+                    if not confident[row]:
+                        num_tokens[i] = step + 1  # this token is proposed, no more after it
+                    if i in grammars:
+                        if not grammars[i].advance(tokens[row]):
+                            raise RuntimeError(f"the grammar refused draft token {tokens[row]} drawn under its mask: "
+                                               f"{grammars[i].error}")
+                        walked[i] += 1
+        finally:
+            for i, g in grammars.items():
+                g.rollback(walked[i])
         flat = [t for d in drafts for t in d]
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
 
+    def _grammar_mask(self, logits: torch.Tensor, active: list[int], grammars: dict) -> tuple[torch.Tensor, set[int]]:
+        """logits [n, N] with each grammar row's disallowed tokens at -inf (a copy), and the
+        sequences whose grammar allows none of the head's tokens (their row is left as it was)."""
+        allowed = torch.ones(logits.shape, dtype=torch.bool)  # [n, N]
+        ended = set()
+        for row, i in enumerate(active):
+            if i in grammars:
+                m = grammars[i].mask()  # [V]
+                m = m if self.head_ids is None else m[self.head_ids.cpu()]
+                if m.any():
+                    allowed[row] = m
+                else:
+                    ended.add(i)
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf")), ended
+
     def _forward(self, seqs, feeds: list[list[int]]) -> torch.Tensor:
         """Run the draft over each sequence's unseen tokens; logits of each one's last row."""
         slots = [s.slot for s in seqs]
-        ctx = [self._cached[slot] for slot in slots]
-        meta = AttentionMetadata.chain(slots, ctx, [len(f) for f in feeds])
-        tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.model.device)
-        hidden = self.model.forward(tokens, meta.positions(self.model.device), self.kv, meta)
-        last = torch.tensor(meta.query_lens).cumsum(0) - 1
+        logits = draft_pass(self.model, self.kv, slots, [self._cached[slot] for slot in slots], feeds)
         for slot, f in zip(slots, feeds):
             self._cached[slot] += len(f)
-        return self.model.logits(hidden[last.to(hidden.device)])
+        return logits
 
     def _sample(self, seqs, logits, sampled: bool):
         """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
@@ -141,12 +161,7 @@ class DraftModelProposer:
         return sample_draft(logits, batch, uniforms)
 
     def _confident(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[bool]:
-        """[n] whether the draft's probability of its own token (at temperature 1) clears the
-        threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
-        if self.threshold <= 0.0:
-            return [True] * logits.shape[0]
-        p = torch.softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).squeeze(1)
-        return (p >= self.threshold).tolist()
+        return confident(logits, tokens, self.threshold)
 
     def observe(self, seqs, outcome) -> None:
         # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.
@@ -169,6 +184,53 @@ class DraftModelProposer:
 
     def close(self) -> None:
         pass
+
+
+def load_draft(spec, ctx, check_vocabulary: bool):
+    """The draft of a speculative config, ready for a Decoder: (loaded model, config, weights,
+    quantization, head_ids), with the config's device, int8 and truncated-head options resolved.
+    ``check_vocabulary``: refuse a draft whose vocabulary is not the target's."""
+    device = available_device(spec.draft_device or ctx.device)
+    requant = "Q4_0" if spec.quantization == "q4_0" else None
+    if requant and (torch.device(device).type != "cpu" or block_linear() is None):
+        raise ConfigError('quantization "q4_0" runs the draft on the CPU\'s GGUF block kernels (AVX512-VNNI), '
+                          f"which the draft's device {device!r} does not have", "quantization")
+    draft = ctx.load_model(spec.model, device=device, requantize=requant)
+    if check_vocabulary:
+        check_same_vocabulary(ctx.target, draft)
+    quantize = spec.quantization
+    stored = on_blocks(draft.weights)
+    if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
+        on_cpu = torch.device(device).type == "cpu"  # the int8 kernel is a CPU kernel
+        quantize = "int8" if on_cpu and quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
+    if quantize == "int8" and stored:
+        raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
+                          'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
+                          "quantization")
+    head_ids = draft_vocab.resolve(spec, draft)
+    config, weights = (draft.config, draft.weights) if head_ids is None else truncated_head(draft, head_ids)
+    if requant:
+        weights, quantize = requantized(draft, weights, requant, "full" if head_ids is None else ids_key(head_ids)), None
+    return draft, config, weights, quantize, head_ids
+
+
+def draft_pass(model: Decoder, kv: KVCache, slots: list[int], cached: list[int], feeds: list[list[int]]) -> torch.Tensor:
+    """One draft pass: each slot's ``feeds`` tokens [len_i] at positions ``cached[i]``.. written
+    into ``kv``; logits [len(slots), N] of each feed's last row."""
+    meta = AttentionMetadata.chain(slots, cached, [len(f) for f in feeds])
+    tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=model.device)
+    hidden = model.forward(tokens, meta.positions(model.device), kv, meta)
+    last = torch.tensor(meta.query_lens).cumsum(0) - 1
+    return model.logits(hidden[last.to(hidden.device)])
+
+
+def confident(logits: torch.Tensor, tokens: torch.Tensor, threshold: float) -> list[bool]:
+    """[n] whether the draft's probability of its own token (at temperature 1) clears the
+    threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
+    if threshold <= 0.0:
+        return [True] * logits.shape[0]
+    p = torch.softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).squeeze(1)
+    return (p >= threshold).tolist()
 
 
 def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Tensor):
@@ -243,6 +305,7 @@ def check_same_vocabulary(target, draft) -> None:
         raise ConfigError(
             f"the draft model's vocabulary ({draft.config.vocab_size} tokens, {draft.source}) differs from "
             f"the target's ({target.config.vocab_size} tokens, {target.source}); a draft must share the "
-            "target's tokenizer", "model",
+            "target's tokenizer, or propose through text: add \"cross_tokenizer\": true to the speculative config "
+            "(universal assisted generation: drafts re-encoded with the target's tokenizer)", "model",
         )
 

@@ -71,6 +71,16 @@ def test_suite_fills_in_what_the_flags_leave_out():
     assert bench_cli.resolve(_args(temperature=0.8))["num_seeds"] == 32
 
 
+def test_a_draft_through_text_is_its_own_variant():
+    """--speculative-config with cross_tokenizer beside --draft-model: two draft_model variants, the
+    second named by its draft, and its spec asks for the text path."""
+    args = _args(suite="quick", speculative_config='{"method": "draft_model", "model": "smollm2-135m-instruct", '
+                                                   '"cross_tokenizer": true, "num_speculative_tokens": 4}')
+    c = bench_cli.build_config(bench_cli.resolve(args), args)
+    assert [v.name for v in c.variants][-2:] == ["draft_model K=4", "draft_model K=4 text smollm2-135m-instruct"]
+    assert c.variants[-1].spec("d")["cross_tokenizer"] is True and "cross_tokenizer" not in c.variants[-2].spec("d")
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"methods": "none,eagle"}, "unknown method"),
     ({"methods": "draft_model"}, "needs --draft-model"),

@@ -89,3 +89,24 @@ def test_sampled_drafts_stay_in_the_grammar(target):
                                           "quantization": None, "adaptive": False}, dtype="float32")
     outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=48, temperature=1.0, seed=5, structured=s) for s in SPECS])
     check(outs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_self_draft_samples_under_the_grammar(target, plain, temperature):
+    """The model as its own draft, its q masked by the grammar walked along its own draft tokens:
+    q is the masked target p at every position, so every token it drafts is accepted (the drafts
+    of the grammar's forced tokens aside: point masses the target may spell otherwise). Without the
+    mask the draft proposed outside the grammar and lost those tokens. Greedy, the output is plain's."""
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3,
+                                          "quantization": None, "adaptive": False, "draft_confidence_threshold": 0.0},
+              dtype="float32")
+    results = []
+    step = llm.engine.runner.step
+    llm.engine.runner.step = lambda *a, **kw: results.extend(r := step(*a, **kw)) or r
+    outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=48, temperature=temperature, seed=5, structured=s)
+                                  for s in SPECS])
+    check(outs)
+    if temperature == 0.0:
+        assert [o.token_ids for o in outs] == plain
+    own = [(r.num_drafts, r.num_accepted) for r in results if r.num_drafts and not r.forced]
+    assert len(own) > 5 and all(d == a for d, a in own)
