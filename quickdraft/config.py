@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from quickdraft.errors import ConfigError
 
-METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa")
+METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa", "layer_skip")
 # Measured (README, "Truncated draft vocabulary"): on code, the Qwen pair's acceptance is the full
 # head's at 65536 and 32768 and drops at 16384; 65536 also holds 98% of the tokens of English docs
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
@@ -34,12 +34,15 @@ class SpeculativeConfig:
     # (verify/tree.py). ngram merges up to this many distinct continuations of earlier matches;
     # suffix gives each node up to this many children, best-first by path probability. 1: chains
     num_branches: int = 1
-    # draft_model: stop drafting for a sequence once the draft's own probability of its token
+    # draft_model, layer_skip: stop drafting for a sequence once the draft's own probability of its token
     # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
     # output is unchanged, it only saves draft passes whose tokens would likely be rejected. 0: off.
     # Measured here (4 HumanEval prompts, Qwen2.5-Coder 1.5B with the 0.5B, K = 8, one run):
     # speedup 1.39x off, 1.32x at 0.3, 1.60x at 0.5.
     draft_confidence_threshold: float = 0.5
+    # layer_skip: the layers (whole: attention and MLP) the target skips to draft for itself,
+    # fixed. None: the skip set is searched on the fly (proposers/layer_skip.py)
+    skip_layers: tuple[int, ...] | None = None
     # draft_model: "int8" runs the draft with int8 weights and activations (models/quant.py), half
     # the bytes a draft step reads; the output stays exactly the target's. None: the engine dtype.
     # "auto": int8 where the int8 CPU kernel runs and the engine is bfloat16. Measured here (6
@@ -125,6 +128,13 @@ class SpeculativeConfig:
         if f is not None and (not isinstance(f, str) or not f):
             raise ConfigError(f"draft_vocab_file must be a path to a file of token ids, got {f!r}", "draft_vocab_file")
         self._check_suffix()
+        sl = self.skip_layers
+        if sl is not None:
+            if not isinstance(sl, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in sl):
+                raise ConfigError(f"skip_layers must be a list of layer indices, got {sl!r}", "skip_layers")
+            if self.method != "layer_skip":
+                raise ConfigError(f'skip_layers is for method "layer_skip", not {self.method!r}', "skip_layers")
+            object.__setattr__(self, "skip_layers", tuple(sl))
         d = self.draft_device
         if d is not None:
             if not isinstance(d, str) or not DEVICE_PATTERN.fullmatch(d):

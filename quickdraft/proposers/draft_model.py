@@ -94,8 +94,8 @@ class DraftModelProposer:
                 rows = sum(len(feed[i]) for i in active)
                 keys = sum(key_reads(self._cached[seqs[i].slot], len(feed[i])) for i in active)
             logits = self._forward([seqs[i] for i in active], [feed[i] for i in active])  # [len(active), N]
-            tokens, q = self._sample([seqs[i] for i in active], logits, sampled)  # rows of the head
-            confident = self._confident(logits, tokens)  # [len(active)] bool
+            tokens, q = draw([seqs[i] for i in active], logits, sampled)  # rows of the head
+            confident = confident_rows(logits, tokens, self.threshold)  # [len(active)] bool
             tokens, q = to_vocab(tokens, q, self.head_ids, self.vocab_size)  # ids [len(active)], q [len(active), V]
             tokens = tokens.tolist()
             if timed:
@@ -123,23 +123,6 @@ class DraftModelProposer:
             self._cached[slot] += len(f)
         return self.model.logits(hidden[last.to(hidden.device)])
 
-    def _sample(self, seqs, logits, sampled: bool):
-        """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
-        batch samples (the request's temperature, top-k and top-p shape the head's N logits)."""
-        if not sampled:
-            return logits.argmax(-1), None
-        batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
-        uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
-        return sample_draft(logits, batch, uniforms)
-
-    def _confident(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[bool]:
-        """[n] whether the draft's probability of its own token (at temperature 1) clears the
-        threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
-        if self.threshold <= 0.0:
-            return [True] * logits.shape[0]
-        p = torch.softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).squeeze(1)
-        return (p >= self.threshold).tolist()
-
     def observe(self, seqs, outcome) -> None:
         # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.
         for s, accepted in zip(seqs, outcome.num_accepted):
@@ -161,6 +144,25 @@ class DraftModelProposer:
 
     def close(self) -> None:
         pass
+
+
+def draw(seqs, logits: torch.Tensor, sampled: bool):
+    """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
+    batch samples (the request's temperature, top-k and top-p shape the head's N logits)."""
+    if not sampled:
+        return logits.argmax(-1), None
+    batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
+    uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
+    return sample_draft(logits, batch, uniforms)
+
+
+def confident_rows(logits: torch.Tensor, tokens: torch.Tensor, threshold: float) -> list[bool]:
+    """[n] whether the draft's probability of its own token (at temperature 1) clears the
+    threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
+    if threshold <= 0.0:
+        return [True] * logits.shape[0]
+    p = torch.softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).squeeze(1)
+    return (p >= threshold).tolist()
 
 
 def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Tensor):
