@@ -334,8 +334,9 @@ def _hf_chat_template(path: Path, cfg: Mapping[str, Any]) -> str | None:
 @lru_cache(maxsize=4)
 def _from_json(cls, text: str) -> Tokenizer:
     d = json.loads(text)
+    tok = d["tokenizer"]  # an object; a string where another version of the cache wrote it so
     return cls(
-        tokenizers.Tokenizer.from_str(json.dumps(d["tokenizer"])),
+        tokenizers.Tokenizer.from_str(tok if isinstance(tok, str) else json.dumps(tok)),
         bos_token_id=d["bos_token_id"],
         eos_token_ids=d["eos_token_ids"],
         add_bos_token=d["add_bos_token"],
