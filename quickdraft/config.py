@@ -52,13 +52,13 @@ class SpeculativeConfig:
     # (--device). A draft on the CPU beside a target on a GPU leaves the GPU's memory to the
     # target's KV cache; its q and tokens reach the target's device once a step (engine/runner.py).
     draft_device: str | None = None
-    # draft_model: the draft's output head scores only this many tokens, the most frequent in a
+    # draft_model, layer_skip: the draft's output head scores only this many tokens, the most frequent in a
     # local corpus (the standard library's sources, never a benchmark's prompts; counted once per
     # machine and tokenizer, proposers/draft_vocab.py). Its q is zero elsewhere, which the
     # verifier's rule makes exact: only the speed changes. None: the whole vocabulary; a size at
     # least the vocabulary's (SmolLM2's 49152 at the default) is no truncation.
     draft_vocab_size: int | None = DEFAULT_DRAFT_VOCAB_SIZE
-    # draft_model: a file of token ids (a JSON list, or one id a line) to use as the draft's
+    # draft_model, layer_skip: a file of token ids (a JSON list, or one id a line) to use as the draft's
     # vocabulary instead of the counted one; special and end-of-text tokens are always added.
     draft_vocab_file: str | None = None
     # suffix (proposers/suffix.py; the first four are vLLM's keys, with its defaults): the suffix

@@ -207,10 +207,14 @@ def truncated_head(draft, ids: torch.Tensor):
     every row (any token can be read), so a tied head becomes an untied one; int8 quantization,
     one scale per row, then quantizes the N rows alone, as selecting rows of the quantized head would."""
     w = dict(draft.weights)
-    head = w["model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"]
-    head = head.select(ids) if isinstance(head, BlockWeight) else head[ids].contiguous()
-    w["lm_head.weight"] = into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
+    w["lm_head.weight"] = head_rows(w["model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"], ids)
     return dataclasses.replace(draft.config, tie_word_embeddings=False), w
+
+
+def head_rows(head, ids: torch.Tensor):
+    """The rows ``ids`` [N] of an output head: a dense ``w[ids]`` or a GGUF ``BlockWeight.select(ids)``."""
+    head = head.select(ids) if isinstance(head, BlockWeight) else head[ids].contiguous()
+    return into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
 
 
 def check_same_vocabulary(target, draft) -> None:
