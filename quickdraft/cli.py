@@ -19,7 +19,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a built-in name (see `quickdraft models`), a .gguf file or a Hugging Face directory")
     p.add_argument("--speculative-config", default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model, suffix, eagle3, medusa')
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model, suffix, eagle3, medusa, layer_skip')
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],

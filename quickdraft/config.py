@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from quickdraft.errors import ConfigError
 
-METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa")
+METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa", "layer_skip")
 # Measured (README, "Truncated draft vocabulary"): on code, the Qwen pair's acceptance is the full
 # head's at 65536 and 32768 and drops at 16384; 65536 also holds 98% of the tokens of English docs
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
@@ -35,12 +35,15 @@ class SpeculativeConfig:
     # (verify/tree.py). ngram merges up to this many distinct continuations of earlier matches;
     # suffix gives each node up to this many children, best-first by path probability. 1: chains
     num_branches: int = 1
-    # draft_model: stop drafting for a sequence once the draft's own probability of its token
+    # draft_model, layer_skip: stop drafting for a sequence once the draft's own probability of its token
     # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
     # output is unchanged, it only saves draft passes whose tokens would likely be rejected. 0: off.
     # Measured here (4 HumanEval prompts, Qwen2.5-Coder 1.5B with the 0.5B, K = 8, one run):
     # speedup 1.39x off, 1.32x at 0.3, 1.60x at 0.5.
     draft_confidence_threshold: float = 0.5
+    # layer_skip: the layers (whole: attention and MLP) the target skips to draft for itself,
+    # fixed. None: the skip set is searched on the fly (proposers/layer_skip.py)
+    skip_layers: tuple[int, ...] | None = None
     # draft_model: "int8" runs the draft with int8 weights and activations (models/quant.py), half
     # the bytes a draft step reads; the output stays exactly the target's. None: the engine dtype.
     # "auto": int8 where the int8 CPU kernel runs and the engine is bfloat16. Measured here (6
@@ -53,13 +56,13 @@ class SpeculativeConfig:
     # (--device). A draft on the CPU beside a target on a GPU leaves the GPU's memory to the
     # target's KV cache; its q and tokens reach the target's device once a step (engine/runner.py).
     draft_device: str | None = None
-    # draft_model: the draft's output head scores only this many tokens, the most frequent in a
+    # draft_model, layer_skip: the draft's output head scores only this many tokens, the most frequent in a
     # local corpus (the standard library's sources, never a benchmark's prompts; counted once per
     # machine and tokenizer, proposers/draft_vocab.py). Its q is zero elsewhere, which the
     # verifier's rule makes exact: only the speed changes. None: the whole vocabulary; a size at
     # least the vocabulary's (SmolLM2's 49152 at the default) is no truncation.
     draft_vocab_size: int | None = DEFAULT_DRAFT_VOCAB_SIZE
-    # draft_model: a file of token ids (a JSON list, or one id a line) to use as the draft's
+    # draft_model, layer_skip: a file of token ids (a JSON list, or one id a line) to use as the draft's
     # vocabulary instead of the counted one; special and end-of-text tokens are always added.
     draft_vocab_file: str | None = None
     # draft_model: the draft may have another tokenizer (transformers' "universal assisted
@@ -141,6 +144,13 @@ class SpeculativeConfig:
         if self.cross_tokenizer and self.method != "draft_model":
             raise ConfigError(f'cross_tokenizer is for method "draft_model" (a draft model with another tokenizer), '
                               f"not {self.method!r}", "cross_tokenizer")
+        sl = self.skip_layers
+        if sl is not None:
+            if not isinstance(sl, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in sl):
+                raise ConfigError(f"skip_layers must be a list of layer indices, got {sl!r}", "skip_layers")
+            if self.method != "layer_skip":
+                raise ConfigError(f'skip_layers is for method "layer_skip", not {self.method!r}', "skip_layers")
+            object.__setattr__(self, "skip_layers", tuple(sl))
         d = self.draft_device
         if d is not None:
             if not isinstance(d, str) or not DEVICE_PATTERN.fullmatch(d):

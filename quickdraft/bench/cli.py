@@ -75,7 +75,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, help="the first seed")
     p.add_argument("--num-seeds", type=int, help="samples per request and variant at temperature > 0 (default 32)")
     p.add_argument("--repeats", type=int, help="runs of each request by each variant (greedy)")
-    p.add_argument("--methods", help="comma-separated: none, ngram, draft_model, suffix, eagle3, medusa (none is always run)")
+    p.add_argument("--methods", help="comma-separated: none, ngram, draft_model, suffix, eagle3, medusa, layer_skip (none is always run)")
     p.add_argument("--num-speculative-tokens", help="K values, comma-separated (e.g. 2,4,6,8)")
     p.add_argument("--prompt-lookup-max", help="ngram: longest n-gram sizes, comma-separated")
     p.add_argument("--prompt-lookup-min", help="ngram: shortest n-gram sizes, comma-separated")

@@ -303,15 +303,21 @@ class Harness:
         return result
 
     def _model_bytes(self, llm) -> int:
-        """Weights and KV caches this variant needs on its own (target, draft when it has one)."""
-        eng = llm.engine
-        caches = [eng.kv, getattr(eng.proposer, "kv", None)]
-        total = sum(t.numel() * t.element_size() for kv in caches if kv is not None for t in kv.keys + kv.values)
-        total += sum(nbytes(t) for t in eng.model.weights.values())
-        draft = getattr(eng.proposer, "model", None)
+        """Weights and KV caches this variant needs on its own (target, draft when it has one),
+        each counted once: layer_skip's draft is the target, with its cache and weights (and a
+        head of its own when truncated)."""
+        eng, proposer = llm.engine, llm.engine.proposer
+        held = {}  # id -> tensor or quantized weight
+        for kv in (eng.kv, getattr(proposer, "kv", None)):
+            held.update((id(t), t) for t in (kv.keys + kv.values if kv is not None else []))
+        held.update((id(t), t) for t in eng.model.weights.values())
+        draft = getattr(proposer, "model", None)
         if draft is not None:
-            total += sum(nbytes(t) for t in draft.w.values())
-        return total
+            held.update((id(t), t) for t in draft.w.values())
+        head = getattr(proposer, "head", None)
+        if head is not None and head is not getattr(draft, "lm_head", None):
+            held[id(head)] = head
+        return sum(nbytes(t) for t in held.values())
 
     def _measure(self, prompts, engines, lap: Callable[[str], None]):
         from tqdm import tqdm

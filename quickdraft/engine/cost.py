@@ -102,6 +102,11 @@ class LinearCost:
         """Seconds one more row adds to a pass of ``rows`` rows."""
         return self.b + (self.b_more if rows >= KNEE else 0.0)
 
+    def scaled(self, factor: float) -> "LinearCost":
+        """A model whose calibration points cost ``factor`` times this one's, with no timed passes
+        yet: where a pass reads a share of this model (layer skipping's draft, proposers/layer_skip.py)."""
+        return LinearCost([(rows, chains, keys, seconds * factor) for _, rows, _, chains, keys, seconds in self._anchors])
+
     def observe(self, rows: int, seconds: float, chains: int = 1, keys: int = 0) -> None:
         self._recent.append(self._point(rows, chains, keys, seconds))
         self._coef = None

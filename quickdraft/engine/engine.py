@@ -50,6 +50,7 @@ class Engine:
             target=self.model, dtype=dtype, device=config.device, num_slots=config.max_num_seqs,
             max_model_len=self.max_model_len,
             load_model=lambda m, device=config.device, **kw: m if isinstance(m, LoadedModel) else load(m, device=device, **kw),
+            decoder=self.decoder, kv=self.kv,
         )
         self.proposer = create_proposer(config.speculative, ctx)
         spec = config.speculative

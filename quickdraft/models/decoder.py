@@ -21,6 +21,7 @@ its calls have the same shapes in a verification pass as in plain decoding; norm
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -184,11 +185,18 @@ class Decoder:
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first layers (self-speculation); None = all
         capture: tuple[int, ...] = (),  # layers whose entering states are returned too (EAGLE-3)
+        skip_attention: Collection[int] = (),  # layers whose attention sublayer is left out (layer skipping)
+        skip_mlp: Collection[int] = (),  # layers whose MLP sublayer is left out
     ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
         """-> hidden [num_tokens, hidden] after the final norm; with ``capture`` (layer indices
         in 0..num_layers - 1) also the residual stream entering each of those layers,
         concatenated in the order given: [num_tokens, len(capture) * hidden]. Capturing keeps a
-        reference to a tensor each layer makes anyway, so it costs one concatenation."""
+        reference to a tensor each layer makes anyway, so it costs one concatenation.
+
+        A skipped sublayer adds nothing to the residual stream, and a skipped attention sublayer
+        neither writes nor reads the layer's keys and values (SWIFT's self-speculative draft,
+        proposers/layer_skip.py). A layer with both kept takes the fused kernel; a layer with one
+        kept takes the Python block (the same kernels, one call each)."""
         embed = self.w["model.embed_tokens.weight"]
         if isinstance(embed, BlockWeight):
             x = embed.dequantize(self.dtype, rows=tokens)  # [num_tokens, hidden]
@@ -200,10 +208,11 @@ class Decoder:
         for layer in range(num_layers if num_layers is not None else self.num_layers):
             if layer in capture:
                 states[layer] = x
-            if fused is not None:
+            attention, mlp = layer not in skip_attention, layer not in skip_mlp
+            if fused is not None and attention and mlp:
                 x = self._fused_block(fused, layer, x, positions, kv, meta, trees)
-            else:
-                x = self._block(layer, x, positions, kv, meta)
+            elif attention or mlp:
+                x = self._block(layer, x, positions, kv, meta, attention, mlp)
         hidden = rms_norm(x, self.w["model.norm.weight"], self.config.rms_norm_eps)
         if not capture:
             return hidden
@@ -266,7 +275,20 @@ class Decoder:
                              kv.keys[layer], kv.values[layer], meta.slots, meta.context_lens, meta.query_lens,
                              *trees, c.num_heads, c.num_kv_heads, c.rms_norm_eps, self.scale)
 
-    def _block(self, layer, x, positions, kv, meta) -> torch.Tensor:
+    def _block(self, layer, x, positions, kv, meta, attention: bool = True, mlp: bool = True) -> torch.Tensor:
+        c, p = self.config, f"model.layers.{layer}."
+        w = self.w
+        if attention:
+            x = self._attention_sublayer(layer, x, positions, kv, meta)
+        if not mlp:
+            return x
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        gate = linear(h, w[p + "mlp.gate_proj.weight"])
+        up = linear(h, w[p + "mlp.up_proj.weight"])
+        return x + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+
+    def _attention_sublayer(self, layer, x, positions, kv, meta) -> torch.Tensor:
+        """x + the layer's attention over x (its keys and values written to ``kv`` on the way)."""
         c, p = self.config, f"model.layers.{layer}."
         w = self.w
         h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
@@ -278,11 +300,7 @@ class Decoder:
         k = self.rotary.apply(k.view(n, c.num_kv_heads, c.head_dim), positions)
         v = v.view(n, c.num_kv_heads, c.head_dim)
         attn = self._attention(layer, q, k, v, kv, meta)  # [n, heads * head_dim]
-        x = x + linear(attn, w[p + "self_attn.o_proj.weight"])
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        gate = linear(h, w[p + "mlp.gate_proj.weight"])
-        up = linear(h, w[p + "mlp.up_proj.weight"])
-        return x + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        return x + linear(attn, w[p + "self_attn.o_proj.weight"])
 
     def _attention(self, layer, q, k, v, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q [n, heads, d], k/v [n, kv_heads, d] -> [n, heads * d]. One sequence at a time.

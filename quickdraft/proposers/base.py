@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from quickdraft.config import SpeculativeConfig
     from quickdraft.engine.cost import LinearCost
     from quickdraft.engine.sequence import Sequence
+    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.decoder import Decoder
     from quickdraft.models.loader import LoadedModel
     from quickdraft.verify.rejection import VerifyOutput
 
@@ -54,6 +56,9 @@ class ProposerContext:
     # name or path -> model in the engine's dtype, on the engine's device unless device= names
     # another (and requantize= as load_model's); a model handed to the engine loaded comes back as it is
     load_model: Callable[..., "LoadedModel"]
+    # the target's decoder and KV cache, for a proposer that drafts with the target itself (layer_skip)
+    decoder: "Decoder | None" = None
+    kv: "KVCache | None" = None
 
 
 class Proposer(Protocol):
@@ -108,7 +113,7 @@ def register(name: str):
 
 def create_proposer(spec: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
     # Importing the modules fills REGISTRY; they only define classes.
-    from quickdraft.proposers import draft_model, eagle3, medusa, ngram, none, suffix  # noqa: F401
+    from quickdraft.proposers import draft_model, eagle3, layer_skip, medusa, ngram, none, suffix  # noqa: F401
 
     if spec.method not in REGISTRY:
         raise ConfigError(f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(REGISTRY))}")

@@ -100,8 +100,8 @@ class DraftModelProposer:
                 ended = set()
                 if grammars:
                     logits, ended = self._grammar_mask(logits, active, grammars)
-                tokens, q = self._sample([seqs[i] for i in active], logits, sampled)  # rows of the head
-                confident = self._confident(logits, tokens)  # [len(active)] bool
+                tokens, q = draw([seqs[i] for i in active], logits, sampled)  # rows of the head
+                confident = confident_rows(logits, tokens, self.threshold)  # [len(active)] bool
                 tokens, q = to_vocab(tokens, q, self.head_ids, self.vocab_size)  # ids [len(active)], q [len(active), V]
                 tokens = tokens.tolist()
                 if timed:
@@ -150,18 +150,6 @@ class DraftModelProposer:
         for slot, f in zip(slots, feeds):
             self._cached[slot] += len(f)
         return logits
-
-    def _sample(self, seqs, logits, sampled: bool):
-        """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
-        batch samples (the request's temperature, top-k and top-p shape the head's N logits)."""
-        if not sampled:
-            return logits.argmax(-1), None
-        batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
-        uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
-        return sample_draft(logits, batch, uniforms)
-
-    def _confident(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[bool]:
-        return confident(logits, tokens, self.threshold)
 
     def observe(self, seqs, outcome) -> None:
         # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.
@@ -224,7 +212,17 @@ def draft_pass(model: Decoder, kv: KVCache, slots: list[int], cached: list[int],
     return model.logits(hidden[last.to(hidden.device)])
 
 
-def confident(logits: torch.Tensor, tokens: torch.Tensor, threshold: float) -> list[bool]:
+def draw(seqs, logits: torch.Tensor, sampled: bool):
+    """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
+    batch samples (the request's temperature, top-k and top-p shape the head's N logits)."""
+    if not sampled:
+        return logits.argmax(-1), None
+    batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
+    uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
+    return sample_draft(logits, batch, uniforms)
+
+
+def confident_rows(logits: torch.Tensor, tokens: torch.Tensor, threshold: float) -> list[bool]:
     """[n] whether the draft's probability of its own token (at temperature 1) clears the
     threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
     if threshold <= 0.0:
@@ -276,8 +274,7 @@ def truncated_head(draft, ids: torch.Tensor):
     one scale per row, then quantizes the N rows alone, as selecting rows of the quantized head would."""
     w = dict(draft.weights)
     name = "model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"
-    head = select_rows(draft, name, ids) if isinstance(w[name], BlockWeight) else w[name][ids].contiguous()
-    w["lm_head.weight"] = into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
+    w["lm_head.weight"] = head_rows(w[name], ids, draft)
     return dataclasses.replace(draft.config, tie_word_embeddings=False), w
 
 
@@ -295,6 +292,17 @@ def requantized(draft, weights: dict, kind: str, head: str) -> dict:
     # then freed instead of held by their views
     kept = into_huge_pages({n: w for n, w in weights.items() if n not in made}, fresh=True)
     return {**kept, **{n: w.to(device) for n, w in made.items()}}
+
+
+def head_rows(head, ids: torch.Tensor, model=None):
+    """The rows ``ids`` [N] of an output head: a dense ``w[ids]`` or a GGUF ``BlockWeight.select(ids)``
+    (kept in the cache, ``loader.select_rows``, where ``model`` is the loaded model that holds it)."""
+    if isinstance(head, BlockWeight):
+        name = next((n for n, w in (model.weights.items() if model is not None else ()) if w is head), None)
+        head = select_rows(model, name, ids) if name is not None else head.select(ids)
+    else:
+        head = head[ids].contiguous()
+    return into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
 
 
 def check_same_vocabulary(target, draft) -> None:

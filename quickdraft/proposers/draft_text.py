@@ -31,7 +31,7 @@ from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
 from quickdraft.proposers.base import DraftProposal
-from quickdraft.proposers.draft_model import MAX_OBSERVED_FEED, confident, draft_pass, load_draft
+from quickdraft.proposers.draft_model import MAX_OBSERVED_FEED, confident_rows, draft_pass, load_draft
 from quickdraft.proposers.retokenize import Bridge, common_prefix
 
 # The draft's tokens of a text may outnumber the target's (a smaller vocabulary): its cache holds
@@ -91,7 +91,7 @@ class TextDraftProposer:
             logits = draft_pass(self.model, self.kv, [seqs[i].slot for i in active], [len(v.kv) for v in views],
                                 [feed[i] for i in active])  # [len(active), N]
             rows_ = logits.argmax(-1)  # greedy: the drafts are point masses
-            sure = confident(logits, rows_, self.threshold)
+            sure = confident_rows(logits, rows_, self.threshold)
             tokens = (rows_ if self.head_ids is None else self.head_ids[rows_]).tolist()
             if timed:
                 self.cost.observe(rows, time.perf_counter() - started, len(active), keys)

@@ -1,5 +1,5 @@
 """End to end on real weights (SmolLM2-135M-Instruct): speculative greedy output equals plain greedy
-output token for token, for n-gram lookup, suffix decoding and a draft model, in float32 and in bfloat16, on
+output token for token, for n-gram lookup, suffix decoding, a draft model and layer skipping, in float32 and in bfloat16, on
 dequantized weights and on the GGUF file's blocks as stored.
 
 bfloat16 is exact too, not only float32: every op of the decoder is batch invariant (see
@@ -122,3 +122,22 @@ def test_adaptive_plan_changes_only_the_speed(target, plain, spec):
     llm = LLM(model, speculative_config=spec, dtype=dtype)
     assert llm.engine.runner.target_cost is not None
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+
+
+@pytest.mark.parametrize("spec", [
+    # the whole model: the draft is the target, so every draft is accepted (the shared cache is exact)
+    {"method": "layer_skip", "num_speculative_tokens": 4, "skip_layers": [], "draft_confidence_threshold": 0.0,
+     "adaptive": False},
+    # the skip set searched on the fly (scoring passes over committed rows, restored after), K fixed
+    {"method": "layer_skip", "num_speculative_tokens": 4, "adaptive": False},
+])
+def test_layer_skip_equals_plain(target, plain, spec):
+    """The target drafts for itself with sublayers skipped, in its own KV cache (proposers/layer_skip.py)."""
+    dtype, model = target
+    llm = LLM(model, speculative_config=spec, dtype=dtype)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    stats, proposer = llm.engine.stats, llm.engine.proposer
+    if spec.get("skip_layers") == []:
+        assert stats.acceptance_rate == 1.0
+    else:
+        assert proposer.search.trials > 0 and 0 < stats.acceptance_rate < 1
