@@ -162,6 +162,20 @@ def command_line(settings: dict, args) -> str:
     return shlex.join(parts)
 
 
+def _configs(text: str | None) -> list[dict]:
+    """--speculative-config's variants: one JSON object, or a list of them (one variant each)."""
+    if not text:
+        return []
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative-config is not valid JSON: {e}", "speculative_config") from None
+    given = given if isinstance(given, list) else [given]
+    if not all(isinstance(g, dict) for g in given):
+        raise ConfigError("--speculative-config must be a JSON object or a list of objects", "speculative_config")
+    return given
+
+
 def build_config(settings: dict, args):
     from quickdraft.bench.datasets import BUILTIN
     from quickdraft.bench.harness import BenchConfig, Variant, variants
@@ -182,10 +196,9 @@ def build_config(settings: dict, args):
                   _ints(settings["num_branches"], "--num-branches"))
     for b in {v.branches for v in vs}:
         SpeculativeConfig(method="ngram", num_branches=b)  # validates the branch count
-    if args.speculative_config:
-        s = SpeculativeConfig.parse(args.speculative_config)
+    for given in _configs(args.speculative_config):  # each its own variant
+        s = SpeculativeConfig.parse(given)
         if s.enabled:
-            given = json.loads(args.speculative_config)  # parse() read it: a JSON object
             options = tuple(sorted((k, v) for k, v in given.items() if k not in VARIANT_KEYS))
             vs.append(Variant(s.method, s.num_speculative_tokens,
                               s.prompt_lookup_max if s.method == "ngram" else None,

@@ -57,6 +57,14 @@ def test_speculative_config_variant_keeps_its_other_keys():
     assert v.spec("loaded") == {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": True, "model": "loaded",
                                 "draft_vocab_size": 32768, "quantization": "q4_0"}
     assert "draft_model K=4" in [x.name for x in c.variants]  # the suite's own, beside it
+    two = _args(suite="quick", speculative_config='[{"method": "draft_model", "model": "d", "quantization": "q4_0"}, '
+                                                  '{"method": "suffix", "num_speculative_tokens": 6}]')
+    names = [x.name for x in bench_cli.build_config(bench_cli.resolve(two), two).variants]
+    assert names[-2:] == ["draft_model K=4 quantization=q4_0", "suffix K=6"]
+    for bad in ('[{"method": "ngram"}, 3]', "{not json"):
+        with pytest.raises(ConfigError, match="speculative-config"):
+            bad_args = _args(suite="quick", speculative_config=bad)
+            bench_cli.build_config(bench_cli.resolve(bad_args), bad_args)
 
 
 def test_suite_fills_in_what_the_flags_leave_out():
