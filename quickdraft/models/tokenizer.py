@@ -350,4 +350,7 @@ def _hf_chat_template(path: Path, cfg: Mapping[str, Any]) -> str | None:
 
 @lru_cache(maxsize=4)
 def _parse(document: str) -> tokenizers.Tokenizer:
-    return tokenizers.Tokenizer.from_str(document)
+    try:
+        return tokenizers.Tokenizer.from_str(document)
+    except Exception as e:  # tokenizers raises a bare Exception; a caller (the cache) handles ValueError
+        raise ValueError(f"not a tokenizers document: {e}") from e

@@ -352,6 +352,19 @@ def test_damaged_cache_entry_is_reconverted(tmp_path: Path, tmp_cache: Path) -> 
     assert cached.stat().st_size > 100
 
 
+def test_a_damaged_tokenizer_entry_is_reconverted(tmp_path: Path, tmp_cache: Path) -> None:
+    """A tokenizer.json in the cache that the tokenizers library cannot read (another version's,
+    or a cut file) makes the loader convert again, not crash."""
+    path, _ = write_tiny_model(tmp_path / "t.gguf")
+    first = loader.load_model(str(path), quantization="none")
+    entry = loader.conversion_dir(path) / "tokenizer.json"
+    doc = json.loads(entry.read_text())
+    entry.write_text(json.dumps(doc | {"tokenizer": doc["tokenizer"][:100]}))
+    again = loader.load_model(str(path), quantization="none")
+    assert again.tokenizer.encode("<|im_start|> tt") == first.tokenizer.encode("<|im_start|> tt")
+    assert json.loads(entry.read_text())["tokenizer"] == doc["tokenizer"]  # written again whole
+
+
 def test_same_vocabularies_share_one_parse() -> None:
     """A target and its draft whose chat templates differ share the parsed vocabulary; a draft
     with one token changed does not, and is told apart."""
