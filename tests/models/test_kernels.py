@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quickdraft.models.kernels import HEADERS, HERE, ISA, SOURCES, _cpu_has, _module, bf16_linear, int8_linear
+from quickdraft.models.kernels import (HEADERS, HERE, ISA, SOURCES, STALE_LOCK_S, _clear_stale_lock, _cpu_has, _module,
+                                      bf16_linear, int8_linear)
 from quickdraft.models.quant import Int8Weight, int8_matmul
 
 HAS_ISA = _cpu_has(*ISA)  # the instructions the kernels are built for
@@ -18,6 +19,25 @@ def test_kernels_build_where_the_cpu_can_run_them():
     if not HAS_ISA:
         pytest.skip("this CPU lacks AVX512-BF16 / VNNI: torch's linear is used")
     assert bf16_linear() is not None and int8_linear() is not None
+
+
+def test_a_build_lock_older_than_any_build_is_removed(tmp_path: Path):
+    """A build killed mid-way leaves torch's lock file, and every later build would wait on it
+    forever: one older than any build is removed, with a warning; a fresh one (a build running
+    now) is left alone."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="kernel build lock"):
+        _clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    _clear_stale_lock(tmp_path)  # no lock: nothing to do
 
 
 def test_the_build_reads_its_own_copy_of_the_sources():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -166,6 +167,25 @@ def _why_no_kernel(dtype: torch.dtype) -> str:
     return "the kernels did not build (see the warning above)"
 
 
+# A build takes 3-7 minutes here; a build lock older than this was left by one that was killed.
+STALE_LOCK_S = 30 * 60
+
+
+def _clear_stale_lock(build: Path) -> None:
+    """torch's build lock (``FileBaton``: a bare file, with no owner and no timeout) is left behind
+    by a build killed mid-way (Ctrl-C, a test's timeout), and every later first use of this source
+    version then waits on it forever. One older than any build is removed, with a warning."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"quickdraft: removing {lock}, a kernel build lock left {age / 60:.0f} minutes ago by a "
+                      "build that did not finish", stacklevel=3)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def _module():
     if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0" or not _cpu_has(*ISA):
@@ -184,6 +204,7 @@ def _module():
             tmp = copy.with_suffix(copy.suffix + f".{os.getpid()}.tmp")
             tmp.write_bytes((HERE / name).read_bytes())
             os.replace(tmp, copy)  # atomic: a concurrent build reads the old bytes or the new, never half
+    _clear_stale_lock(build)
     try:
         module = cpp_extension.load(
             name="quickdraft_linear", sources=[str(src / name) for name in SOURCES], build_directory=str(build),
