@@ -274,7 +274,9 @@ def truncated_head(draft, ids: torch.Tensor):
     one scale per row, then quantizes the N rows alone, as selecting rows of the quantized head would."""
     w = dict(draft.weights)
     name = "model.embed_tokens.weight" if draft.config.tie_word_embeddings else "lm_head.weight"
-    w["lm_head.weight"] = head_rows(w[name], ids, draft)
+    # a GGUF head's rows repacked once and kept in the cache (loader.select_rows), a dense one's indexed
+    head = select_rows(draft, name, ids) if isinstance(w[name], BlockWeight) else w[name][ids].contiguous()
+    w["lm_head.weight"] = into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
     return dataclasses.replace(draft.config, tie_word_embeddings=False), w
 
 
@@ -294,14 +296,9 @@ def requantized(draft, weights: dict, kind: str, head: str) -> dict:
     return {**kept, **{n: w.to(device) for n, w in made.items()}}
 
 
-def head_rows(head, ids: torch.Tensor, model=None):
-    """The rows ``ids`` [N] of an output head: a dense ``w[ids]`` or a GGUF ``BlockWeight.select(ids)``
-    (kept in the cache, ``loader.select_rows``, where ``model`` is the loaded model that holds it)."""
-    if isinstance(head, BlockWeight):
-        name = next((n for n, w in (model.weights.items() if model is not None else ()) if w is head), None)
-        head = select_rows(model, name, ids) if name is not None else head.select(ids)
-    else:
-        head = head[ids].contiguous()
+def head_rows(head, ids: torch.Tensor):
+    """The rows ``ids`` [N] of an output head: a dense ``w[ids]`` or a GGUF ``BlockWeight.select(ids)``."""
+    head = head.select(ids) if isinstance(head, BlockWeight) else head[ids].contiguous()
     return into_huge_pages({"head": head})["head"]  # a new tensor: see models/memory.py
 
 
