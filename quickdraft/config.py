@@ -35,7 +35,7 @@ class SpeculativeConfig:
     # (verify/tree.py). ngram merges up to this many distinct continuations of earlier matches;
     # suffix gives each node up to this many children, best-first by path probability. 1: chains
     num_branches: int = 1
-    # draft_model, layer_skip: stop drafting for a sequence once the draft's own probability of its token
+    # draft_model, layer_skip, eagle3: stop drafting for a sequence once the draft's own probability of its token
     # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
     # output is unchanged, it only saves draft passes whose tokens would likely be rejected. 0: off.
     # Measured here (4 HumanEval prompts, Qwen2.5-Coder 1.5B with the 0.5B, K = 8, one run):
@@ -51,6 +51,9 @@ class SpeculativeConfig:
     # "q4_0": every matrix of the draft stored in more than 4.5 bits a weight (a GGUF draft's Q5_0,
     # Q6_K, Q8_0, or a dense draft's) quantized again to GGUF Q4_0 blocks, once, and cached: fewer
     # bytes a draft step reads, on the CPU's block kernels (README, "A 4-bit draft").
+    # eagle3, medusa: the head's matrices are served from GGUF blocks (proposers/heads.py): "auto"
+    # and "int8" Q8_0 where the CPU's block kernels run (auto: else float32, as trained), "q4_0"
+    # Q4_0; None: float32.
     quantization: str | None = "auto"
     # draft_model: the device the draft runs on: "cpu", "cuda", "cuda:1", ... None: the target's
     # (--device). A draft on the CPU beside a target on a GPU leaves the GPU's memory to the

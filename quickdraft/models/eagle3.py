@@ -318,4 +318,8 @@ def init_from_target(head: Eagle3Head, model) -> None:
         n, H = len(head.config.aux_layers), head.config.hidden_size
         # fc starts as the mean of the fused states: a sensible feature from the first step on
         head.fc.weight.copy_(torch.cat([torch.eye(H) / n] * n, dim=1))
+        # and the layer starts as the identity on that feature (its two output projections zero,
+        # as in ReZero): a random layer would add noise that the first hundred steps unlearn
+        head.o_proj.weight.zero_()
+        head.down_proj.weight.zero_()
 

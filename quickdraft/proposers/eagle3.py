@@ -15,21 +15,29 @@ argmax when greedy) and q goes to the verifier, so the output is the target's wh
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from quickdraft.engine.cost import LinearCost, calibrate
 from quickdraft.models import eagle3 as head_file
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.heads import embed_rows, resolve_dir, sample_rows
+from quickdraft.proposers.heads import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head
 
 
 @register("eagle3")
 class Eagle3Proposer:
-    cost = None  # one small layer a step: drafts are close to free beside a target pass
-
     def __init__(self, head: "head_file.Eagle3Head", target_weights: dict, vocab_size: int, num_slots: int,
-                 max_len: int, device="cpu"):
+                 max_len: int, device="cpu", quantization: str | None = None, confidence_threshold: float = 0.0,
+                 target_cost: "LinearCost | None" = None, target_bytes: int = 0):
+        """``confidence_threshold``: a sequence stops drafting after a token the head gives less
+        probability than this (draft_model's rule). ``target_cost``: the target's pass cost, which
+        prices a head step by the share of the target's bytes (``target_bytes``) the head reads
+        until the head's own timed steps correct it; None: drafts are priced as free."""
         c = head.config
-        self.head = head.to(device).float().eval()
+        self.head = serving_head(head, quantization, device)
+        self.threshold = confidence_threshold
+        self.cost = None if target_cost is None else target_cost.scaled(head_bytes(self.head) / target_bytes)
         self.reads_target = tuple(c.aux_layers)
         self.weights = target_weights
         self.vocab_size = vocab_size
@@ -48,7 +56,11 @@ class Eagle3Proposer:
             path = resolve_dir(spec, ctx.target, "eagle3")
             head, source = head_file.load(path), str(path)
         head_file.check_target(head.config, ctx.target, source)
-        return cls(head, ctx.target.weights, ctx.target.config.vocab_size, ctx.num_slots, ctx.max_model_len, ctx.device)
+        timed = spec.adaptive and ctx.decoder is not None
+        return cls(head, ctx.target.weights, ctx.target.config.vocab_size, ctx.num_slots, ctx.max_model_len, ctx.device,
+                   spec.quantization, spec.draft_confidence_threshold,
+                   calibrate(ctx.decoder, ctx.kv) if timed else None,
+                   ctx.decoder.weight_bytes_per_token() if timed else 0)
 
     def read_target(self, seqs, final, states) -> None:
         for s, rows in zip(seqs, states):
@@ -64,28 +76,37 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, seqs, num_tokens) -> DraftProposal:
+        num_tokens = list(num_tokens)
         active = [i for i, k in enumerate(num_tokens)
                   if k > 0 and self._features[seqs[i].slot] is not None and not self._lost[seqs[i].slot]]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         sampled = any(not seqs[i].params.greedy for i in active)
         if active:
-            out, tokens, q = self._first_step([seqs[i] for i in active], sampled)
+            out, tokens, q, confident = self._first_step([seqs[i] for i in active], sampled)
             for step in range(max(num_tokens[i] for i in active)):
                 if step > 0:
                     keep = [r for r, i in enumerate(active) if num_tokens[i] > step]
+                    if not keep:
+                        break
                     active, out, tokens = [active[r] for r in keep], out[keep], tokens[keep]
-                    out, tokens, q = self._next_step([seqs[i] for i in active], out, tokens, step, sampled)
+                    started = time.perf_counter()
+                    out, tokens, q, confident = self._next_step([seqs[i] for i in active], out, tokens, step, sampled)
+                    if self.cost is not None:
+                        self.cost.observe(len(active), time.perf_counter() - started, len(active))
                 for row, i in enumerate(active):
                     drafts[i].append(int(tokens[row]))
                     if q is not None:
                         probs[i].append(q[row])
+                    if not confident[row]:
+                        num_tokens[i] = step + 1  # this token is proposed, no more after it
         flat = [t for d in drafts for t in d]
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
 
     def _first_step(self, seqs, sampled):
-        """Feed each sequence's waiting pairs; -> the last row's output [b, H], draft ids [b], q."""
+        """Feed each sequence's waiting pairs; -> the last row's output [b, H], draft ids [b], q,
+        and whether each draft token clears the confidence threshold."""
         h = self.head
         feats, toks, pos, lens = [], [], [], []
         for s in seqs:
@@ -105,8 +126,7 @@ class Eagle3Proposer:
             self._cached[s.slot] += n
             self._features[s.slot] = None
         out = out[last.to(device)]
-        tokens, q = sample_rows(seqs, h.logits(out), self.head_ids, self.vocab_size, sampled)
-        return out, tokens, q
+        return (out, *sample_rows(seqs, h.logits(out), self.head_ids, self.vocab_size, sampled, self.threshold))
 
     def _next_step(self, seqs, out, tokens, step, sampled):
         """One pair a sequence: the previous output as feature, the last draft token's embedding."""
@@ -114,8 +134,7 @@ class Eagle3Proposer:
         emb = embed_rows(self.weights, tokens.cpu()).to(device)
         pos = torch.tensor([self._cached[s.slot] - 1 + step for s in seqs], device=device)
         out = self._layer(seqs, emb, out, pos, [1] * len(seqs))
-        tokens, q = sample_rows(seqs, self.head.logits(out), self.head_ids, self.vocab_size, sampled)
-        return out, tokens, q
+        return (out, *sample_rows(seqs, self.head.logits(out), self.head_ids, self.vocab_size, sampled, self.threshold))
 
     def _layer(self, seqs, emb, feature, positions, lens) -> torch.Tensor:
         """The head's layer over ragged rows (each sequence's ``lens[i]`` rows at consecutive

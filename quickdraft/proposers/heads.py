@@ -1,5 +1,6 @@
 """What the trained-head proposers (EAGLE-3, Medusa) share: where a target's heads live, the error
-for a missing one, the target's embedding rows, and sampling a head's draft tokens.
+for a missing one, the target's embedding rows, sampling a head's draft tokens, and serving a
+head's matrices from GGUF blocks.
 
 Heads live in the cache, ``$QUICKDRAFT_CACHE/heads/<target>/<method>/``, never in the repository;
 ``quickdraft train`` writes them there, and a speculative config's ``"model"`` names another
@@ -8,12 +9,14 @@ directory (a head trained elsewhere).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from quickdraft.errors import ConfigError
-from quickdraft.proposers.draft_model import sample_draft, to_vocab
+from quickdraft.proposers.draft_model import confident_rows, sample_draft, to_vocab
 from quickdraft.sampling import BatchSampling, draw_uniforms
 
 
@@ -47,14 +50,71 @@ def embed_rows(weights: dict, tokens: torch.Tensor) -> torch.Tensor:
     return embed.dequantize(torch.float32, rows=tokens)
 
 
-def sample_rows(seqs, logits: torch.Tensor, head_ids: torch.Tensor | None, vocab_size: int, sampled: bool):
-    """logits [n, N] over a head's rows, one per sequence -> full-vocabulary ids [n] and q [n, V]
-    (None when no sequence samples): the argmax for greedy requests, else a draw from q shaped by
-    the request's temperature, top-k and top-p, with the request's own generator."""
+def sample_rows(seqs, logits: torch.Tensor, head_ids: torch.Tensor | None, vocab_size: int, sampled: bool,
+                threshold: float = 0.0):
+    """logits [n, N] over a head's rows, one per sequence -> full-vocabulary ids [n], q [n, V]
+    (None when no sequence samples), and [n] whether the head's own probability of each token
+    clears ``threshold`` (draft_model.confident_rows): the argmax for greedy requests, else a draw
+    from q shaped by the request's temperature, top-k and top-p, with the request's own generator."""
     if not sampled:
         rows, q = logits.argmax(-1), None
     else:
         batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
         uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
         rows, q = sample_draft(logits, batch, uniforms)
-    return to_vocab(rows, q, head_ids, vocab_size)
+    confident = confident_rows(logits, rows, threshold)
+    return (*to_vocab(rows, q, head_ids, vocab_size), confident)
+
+
+# A head trains in float32, and a draft step reads all of its matrices: the 1.5B's EAGLE-3 head
+# (fc, one decoder layer with its 8960-wide MLP, a 16384-row output head) is about 80M weights,
+# 330 MB in float32, a third of what the target's own Q4_K_M pass reads. Served from GGUF blocks
+# on the CPU's kernels (models/ggml.py) it reads a quarter of that (Q8_0) or less (Q4_0).
+# Losslessness does not depend on it: the verifier gets the q the head really drafted from.
+HEAD_BLOCKS = {"auto": "Q8_0", "int8": "Q8_0", "q4_0": "Q4_0"}
+
+
+class BlockLinear(nn.Module):
+    """An ``nn.Linear`` served from GGUF blocks: the same call, any leading dimensions, float32 out."""
+
+    def __init__(self, linear: nn.Linear, kind: str):
+        from quickdraft.models.ggml import requantize
+
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = requantize(linear.weight.detach().float().cpu(), kind)
+        self.bias = None if linear.bias is None else linear.bias.detach().float().cpu()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight.linear(x.reshape(-1, self.in_features).float().contiguous(), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def serving_head(module: nn.Module, quantization: str | None, device) -> nn.Module:
+    """A head ready to draft: float32 on ``device``, its matrices in GGUF blocks where the
+    config asks for them (``HEAD_BLOCKS``; "auto": Q8_0 where the CPU's block kernels run, else
+    float32). The trained module is copied, never changed."""
+    from quickdraft.models.ggml import BLOCKS
+    from quickdraft.models.kernels import block_linear
+
+    kind = HEAD_BLOCKS.get(quantization) if quantization is not None else None
+    runs = torch.device(device).type == "cpu" and block_linear() is not None
+    if kind is not None and quantization != "auto" and not runs:
+        raise ConfigError(f"quantization {quantization!r} serves the head from GGUF blocks on the CPU's kernels "
+                          f"(AVX512-VNNI), which device {str(device)!r} does not have; leave it out", "quantization")
+    module = copy.deepcopy(module).to(device).float().eval()
+    if kind is None or not runs:
+        return module
+    block = BLOCKS[kind][0]
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.Linear) and child.in_features % block == 0:
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, leaf, BlockLinear(child, kind))
+    return module
+
+
+def head_bytes(module: nn.Module) -> int:
+    """Bytes a pass over every matrix of a serving head reads: its blocks and its float parameters."""
+    blocks = [m for m in module.modules() if isinstance(m, BlockLinear)]
+    return sum(p.numel() * p.element_size() for p in module.parameters()) + sum(
+        m.weight.nbytes + (0 if m.bias is None else m.bias.numel() * 4) for m in blocks)

@@ -14,16 +14,17 @@ import torch
 
 from quickdraft.models import medusa as head_file
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.heads import resolve_dir, sample_rows
+from quickdraft.proposers.heads import resolve_dir, sample_rows, serving_head
 
 
 @register("medusa")
 class MedusaProposer:
-    cost = None  # K small blocks: drafts are close to free beside a target pass
+    cost = None  # one call drafts every position, each a small block and a truncated head (Q8_0 on the CPU)
     reads_target = ()  # the final hidden state only
 
-    def __init__(self, heads: "head_file.MedusaHeads", vocab_size: int, num_slots: int, device="cpu"):
-        self.heads = heads.to(device).float().eval()
+    def __init__(self, heads: "head_file.MedusaHeads", vocab_size: int, num_slots: int, device="cpu",
+                 quantization: str | None = None):
+        self.heads = serving_head(heads, quantization, device)
         self.vocab_size = vocab_size
         self.head_ids = None if heads.config.draft_vocab_size == vocab_size else self.heads.draft_ids
         self._last: list[torch.Tensor | None] = [None] * num_slots  # [H] the last committed row's state
@@ -36,7 +37,7 @@ class MedusaProposer:
             path = resolve_dir(spec, ctx.target, "medusa")
             heads, source = head_file.load(path), str(path)
         head_file.check_target(heads.config, ctx.target, source)
-        return cls(heads, ctx.target.config.vocab_size, ctx.num_slots, ctx.device)
+        return cls(heads, ctx.target.config.vocab_size, ctx.num_slots, ctx.device, spec.quantization)
 
     def read_target(self, seqs, final, states) -> None:
         for s, rows in zip(seqs, final):
@@ -57,7 +58,7 @@ class MedusaProposer:
         rows = [(r, j) for r, i in enumerate(active) for j in range(min(num_tokens[i], k))]  # sequence-major
         flat = logits[[r for r, _ in rows], [j for _, j in rows]]  # [num_draft_tokens, N]
         # each row drawn with its sequence's generator, in order (a sequence's K draws in a row)
-        ids, q = sample_rows([seqs[active[r]] for r, _ in rows], flat, self.head_ids, self.vocab_size, sampled)
+        ids, q, _ = sample_rows([seqs[active[r]] for r, _ in rows], flat, self.head_ids, self.vocab_size, sampled)
         for r, i in enumerate(active):
             counts[i] = min(num_tokens[i], k)
         return DraftProposal(ids.cpu().long(), counts, q)

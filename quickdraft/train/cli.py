@@ -33,6 +33,7 @@ def register(sub) -> None:
         p.add_argument("--draft-vocab-size", type=int, default=32768,
                        help="rows of the head's output: the most frequent target tokens of the data")
         p.add_argument("--seed", type=int, default=0)
+        _precision_arg(p)
         if method == "eagle3":
             p.add_argument("--ttt-steps", type=int, default=3, help="unrolled drafting steps of the training-time test")
         else:
@@ -47,7 +48,14 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=0)
+    _precision_arg(p)
     p.set_defaults(func=_draft)
+
+
+def _precision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "float32"],
+                   help="bf16-mixed: matmuls in bfloat16 under torch.autocast, weights and optimiser in float32 "
+                        "(2.5x faster here); float32: all of it in float32")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
@@ -103,12 +111,14 @@ def _train(args) -> int:
         from quickdraft.train import eagle3
 
         _, losses = eagle3.train(model, windows, out, args.steps, args.draft_vocab_size, args.ttt_steps,
-                                 args.batch_size, args.lr, args.seed, extra=extra)
+                                 args.batch_size, args.lr, args.seed, extra=extra,
+                                 mixed=args.precision == "bf16-mixed")
     else:
         from quickdraft.train import medusa
 
         _, losses = medusa.train(model, windows, out, args.steps, args.num_heads, args.draft_vocab_size,
-                                 args.batch_size, args.lr, args.seed, extra=extra)
+                                 args.batch_size, args.lr, args.seed, extra=extra,
+                                 mixed=args.precision == "bf16-mixed")
     tail = losses[-50:]
     print(json.dumps({"head": str(out), "method": args.method, "steps": len(losses),
                       "loss_first": losses[0] if losses else None, "loss_last50": sum(tail) / max(len(tail), 1),
@@ -132,7 +142,8 @@ def _draft(args) -> int:
     stock = load_model(args.draft, torch.float32, quantization="none")  # dense weights to train
     out = Path(args.out).expanduser() if args.out else default_dir(model, "draft")
     started = time.perf_counter()
-    _, losses = draft.train(model, stock, windows, out, args.steps, args.batch_size, args.lr, args.seed)
+    _, losses = draft.train(model, stock, windows, out, args.steps, args.batch_size, args.lr, args.seed,
+                            mixed=args.precision == "bf16-mixed")
     tail = losses[-50:]
     print(json.dumps({"draft": str(out), "steps": len(losses), "kl_first": losses[0] if losses else None,
                       "kl_last50": sum(tail) / max(len(tail), 1), "seconds": round(time.perf_counter() - started, 1)}))

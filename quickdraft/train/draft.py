@@ -78,7 +78,7 @@ def kl_loss(draft: TrainableDraft, target_head: torch.Tensor, batch):
 
 
 def train(target, draft, windows, out_dir: str | Path, steps: int = 500, batch_size: int = 2, lr: float = 2e-5,
-          seed: int = 0, progress: bool = True) -> tuple[TrainableDraft, list[float]]:
+          seed: int = 0, progress: bool = True, mixed: bool = True) -> tuple[TrainableDraft, list[float]]:
     """Distill ``draft`` (a LoadedModel with dense weights) towards ``target`` on ``windows`` and
     save it as a model directory in ``out_dir``."""
     from quickdraft.proposers.draft_model import check_same_vocabulary
@@ -87,7 +87,8 @@ def train(target, draft, windows, out_dir: str | Path, steps: int = 500, batch_s
     module = TrainableDraft(draft)
     target_head = head_rows(target, torch.arange(target.config.vocab_size))
     losses = fit(module, lambda b: kl_loss(module, target_head, b), windows, steps, batch_size, lr,
-                 Path(out_dir) / "checkpoint.pt", "distilling the draft", seed, progress, save_every=100)
+                 Path(out_dir) / "checkpoint.pt", "distilling the draft", seed, progress, save_every=100,
+                 mixed=mixed)
     save_dir(module, draft.tokenizer, out_dir)
     return module, losses
 

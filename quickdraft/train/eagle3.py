@@ -80,7 +80,7 @@ def ttt_loss(head: "head_file.Eagle3Head", embed, lm_rows: torch.Tensor, batch, 
 
 def train(model, windows, out_dir: str | Path, steps: int = 2000, draft_vocab_size: int = 32768, ttt_steps: int = 3,
           batch_size: int = 4, lr: float = 1e-3, seed: int = 0, progress: bool = True,
-          extra: dict | None = None) -> tuple["head_file.Eagle3Head", list[float]]:
+          extra: dict | None = None, mixed: bool = True) -> tuple["head_file.Eagle3Head", list[float]]:
     """Train a head for ``model`` on ``windows`` (train/data.py) and save it into ``out_dir`` in the
     speculators format; ``out_dir/checkpoint.pt`` lets an interrupted run resume."""
     out = Path(out_dir)
@@ -91,7 +91,7 @@ def train(model, windows, out_dir: str | Path, steps: int = 2000, draft_vocab_si
     lm_rows = head_rows(model, ids)
     embed = lambda t: embed_rows(model.weights, t.reshape(-1)).view(*t.shape, -1)  # noqa: E731
     losses = fit(head, lambda b: ttt_loss(head, embed, lm_rows, b, ttt_steps), windows, steps, batch_size, lr,
-                 out / "checkpoint.pt", f"training EAGLE-3 head ({ttt_steps} TTT steps)", seed, progress)
+                 out / "checkpoint.pt", f"training EAGLE-3 head ({ttt_steps} TTT steps)", seed, progress, mixed=mixed)
     head_file.save(head, out, extra={"steps": steps, "ttt_steps": ttt_steps, "windows": len(windows),
                                      "tokens": sum(len(w.tokens) for w in windows), **(extra or {})})
     return head, losses

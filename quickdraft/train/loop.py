@@ -61,10 +61,16 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, valid: 
 
 
 def fit(module: torch.nn.Module, loss_fn: Callable, windows: list[Window], steps: int, batch_size: int, lr: float,
-        checkpoint: Path | None, desc: str, seed: int = 0, progress: bool = True, save_every: int = 200) -> list[float]:
+        checkpoint: Path | None, desc: str, seed: int = 0, progress: bool = True, save_every: int = 200,
+        mixed: bool = True) -> list[float]:
     """AdamW with a linear warm-up and a cosine decay over ``steps``; ``loss_fn(batch) -> (loss,
     metrics dict)``. With ``checkpoint`` the module, optimiser and step are saved every
-    ``save_every`` steps and a rerun resumes from there. Returns each step's loss."""
+    ``save_every`` steps and a rerun resumes from there. Returns each step's loss.
+
+    ``mixed``: the forward and backward matmuls in bfloat16 under ``torch.autocast``, the weights,
+    gradients and optimiser state in float32 (the usual mixed precision). On this AMD CPU
+    (AVX512-BF16) an EAGLE-3 step for the Qwen 1.5B ran 2.5x faster: 5.7 s against 12-14 s for
+    two windows of 512 tokens."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -83,8 +89,10 @@ def fit(module: torch.nn.Module, loss_fn: Callable, windows: list[Window], steps
     data = batches(windows, batch_size, seed + start)  # a resumed run sees other batches: fine for SGD
     bar = tqdm(total=steps, initial=start, desc=desc, unit="step", file=sys.stderr, disable=not progress, mininterval=1.0)
     module.train()
+    device = params[0].device.type
     for step in range(start, steps):
-        loss, metrics = loss_fn(next(data))
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=mixed):
+            loss, metrics = loss_fn(next(data))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

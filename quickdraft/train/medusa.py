@@ -39,7 +39,7 @@ def medusa_loss(heads: "head_file.MedusaHeads", lm_rows: torch.Tensor, batch, de
 
 def train(model, windows, out_dir: str | Path, steps: int = 2000, num_heads: int = 4, draft_vocab_size: int = 32768,
           batch_size: int = 4, lr: float = 1e-3, seed: int = 0, progress: bool = True,
-          extra: dict | None = None) -> tuple["head_file.MedusaHeads", list[float]]:
+          extra: dict | None = None, mixed: bool = True) -> tuple["head_file.MedusaHeads", list[float]]:
     """Train K heads for ``model`` on ``windows`` and save them (vLLM's Medusa layout) into ``out_dir``."""
     out = Path(out_dir)
     ids = data_vocab(windows, model, draft_vocab_size)
@@ -50,7 +50,7 @@ def train(model, windows, out_dir: str | Path, steps: int = 2000, num_heads: int
     head_file.init_from_target(heads, model)
     lm_rows = head_rows(model, ids)
     losses = fit(heads, lambda b: medusa_loss(heads, lm_rows, b), windows, steps, batch_size, lr,
-                 out / "checkpoint.pt", f"training {num_heads} Medusa heads", seed, progress)
+                 out / "checkpoint.pt", f"training {num_heads} Medusa heads", seed, progress, mixed=mixed)
     head_file.save(heads, out, extra={"steps": steps, "windows": len(windows),
                                       "tokens": sum(len(w.tokens) for w in windows), **(extra or {})})
     return heads, losses

@@ -102,11 +102,11 @@ def test_a_wrong_q_is_detected(trained, monkeypatch):
 
     real = heads.sample_rows
 
-    def wrong(seqs, logits, head_ids, vocab_size, sampled):
-        ids, q = real(seqs, logits * 3.0, head_ids, vocab_size, sampled)  # sharper than it says
+    def wrong(seqs, logits, head_ids, vocab_size, sampled, threshold=0.0):
+        ids, q, confident = real(seqs, logits * 3.0, head_ids, vocab_size, sampled, threshold)  # sharper than it says
         if q is not None:
             q = torch.where(q > 0, 1.0 / 64, 0.0)
-        return ids, q
+        return ids, q, confident
 
     monkeypatch.setattr("quickdraft.proposers.eagle3.sample_rows", wrong)
     spec = {"method": "eagle3", "model": trained[0], "num_speculative_tokens": 3}
@@ -194,3 +194,26 @@ def test_the_engine_keeps_prefix_caching_off_under_eagle3(trained, greedy_params
     drafted = engine.stats.num_draft_tokens
     again = engine.generate_ids(PROMPTS[:1], greedy_params[:1])  # the same prompt: no cached prefix, drafts again
     assert engine.stats.num_draft_tokens > drafted and again[0].num_cached_tokens == 0
+
+
+def test_a_head_served_from_blocks_reads_a_quarter_and_drafts_the_same(trained):
+    """On the CPU's block kernels a head's matrices are served as Q8_0 (proposers/heads.py): a
+    quarter of float32's bytes, logits within int8 rounding of the float head's, the trained head
+    itself untouched; and the output stays plain decoding's (the verifier decides)."""
+    from quickdraft.models.kernels import block_linear
+    from quickdraft.proposers.heads import BlockLinear, head_bytes, serving_head
+
+    if block_linear() is None:
+        pytest.skip("no GGUF block kernels on this CPU")
+    head = trained[0]
+    served = serving_head(head, "auto", "cpu")
+    blocks = [m for m in served.modules() if isinstance(m, BlockLinear)]
+    assert len(blocks) == 9 and not any(isinstance(m, BlockLinear) for m in head.modules())
+    assert head_bytes(served) < 0.35 * head_bytes(serving_head(head, None, "cpu"))
+    x = torch.randn(7, CONFIG.hidden_size)
+    with torch.no_grad():
+        want, got = head.logits(x), served.logits(x)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    with pytest.raises(ConfigError, match="q4_0"):
+        serving_head(head, "q4_0", "meta")
