@@ -39,6 +39,17 @@ def register(sub) -> None:
         else:
             p.add_argument("--num-heads", type=int, default=4, help="K: heads, one a draft position")
         p.set_defaults(func=_train, method=method)
+    g = tsub.add_parser("generate", help="self-distillation texts: the target's own answers to prompts, for --texts")
+    g.add_argument("--model", default="smollm2-135m-instruct", help="the target: a built-in name, .gguf or HF directory")
+    g.add_argument("--prompts", default=None, help="JSONL (\"prompt\": raw text, or \"messages\": a chat); default: "
+                                                   "functions and package summaries of the installed packages")
+    g.add_argument("--num-prompts", type=int, default=400, help="prompts to answer (the first N)")
+    g.add_argument("--out", default=None, help="the JSONL of texts (default: "
+                                               "$QUICKDRAFT_CACHE/heads/<target>/generated/answers.jsonl)")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens an answer, at most")
+    g.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+    g.add_argument("--speculative-config", default=None, help="JSON: speculate while generating (the output is the same)")
+    g.set_defaults(func=_generate)
     p = tsub.add_parser("draft", help="distill the draft model towards the target (KL on the target's data)")
     _data_args(p)
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the draft model to fine-tune")
@@ -92,6 +103,24 @@ def _data(args) -> int:
     m = data.read_manifest(out)
     print(json.dumps({"data": str(out), "windows": m.num_windows, "source": m.source,
                       "seconds": round(time.perf_counter() - started, 1)}))
+    return 0
+
+
+def _generate(args) -> int:
+    from quickdraft.llm import LLM
+    from quickdraft.proposers.heads import default_dir
+    from quickdraft.train import generate
+
+    llm = LLM(args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch)
+    prompts = generate.read_prompts(args.prompts) if args.prompts else generate.default_prompts(args.num_prompts)
+    prompts = prompts[: args.num_prompts]
+    out = Path(args.out).expanduser() if args.out else default_dir(llm.engine.model, "generated") / "answers.jsonl"
+    started = time.perf_counter()
+    made = generate.generate(llm, prompts, out, args.max_tokens, args.batch)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"texts": str(out), "prompts": len(prompts), "generated_tokens": made, "seconds": round(seconds, 1),
+                      "tokens_per_second": round(made / seconds, 1)}))
+    print(f"label them: quickdraft train data --model {args.model} --texts {out}", file=sys.stderr)
     return 0
 
 
