@@ -6,8 +6,8 @@ of the target's committed text, special tokens and chat template included, and t
 the draft's KV cache holds. Before a proposal the view follows the target's new tokens (a window
 of its tail encoded again with the new text; the cache keeps its common prefix with the new ids),
 the draft decodes greedily from there, batched over sequences like proposers/draft_model.py, and
-stops at its own end-of-text token (proposed as the target's). Its tokens are converted to target
-ids through their bytes, at most K of them.
+stops at its own end-of-text token (proposed as the target's), or once its text makes more than K
+target tokens. Its tokens are converted to target ids through their bytes, at most K of them.
 
 The drafts are point masses (``DraftProposal.probs`` None) for every request, greedy or sampled:
 the verifier accepts a draft token x with probability p(x) and otherwise samples from p without x,
@@ -37,6 +37,11 @@ from quickdraft.proposers.retokenize import Bridge, common_prefix
 # The draft's tokens of a text may outnumber the target's (a smaller vocabulary): its cache holds
 # up to this many times the target's context, within the draft's own.
 DRAFT_LEN_FACTOR = 2
+# A draft with a smaller vocabulary spells a text in more tokens than the target (SmolLM2's 49k
+# against Qwen's 152k: 1.17 of its tokens a Qwen token over 200 installed Python files): it
+# drafts until its text makes more than K whole target tokens (the K + 1-th may still grow, so K
+# are final), up to this many of its own tokens a target token.
+DRAFT_PER_TARGET = 2
 
 
 class TextDraftProposer:
@@ -74,7 +79,8 @@ class TextDraftProposer:
                 self.bridge.follow(view, s.token_ids)
                 if len(view.kv) >= len(view.ids):  # all read already: read the last token again, for its logits
                     view.kv = view.ids[: len(view.ids) - 1]
-                budget[i] = max(0, min(k, self.max_len - len(view.ids))) if view.ids else 0  # room in the draft's cache
+                # room in the draft's cache, for up to DRAFT_PER_TARGET of its tokens a target token
+                budget[i] = max(0, min(k * DRAFT_PER_TARGET, self.max_len - len(view.ids))) if view.ids else 0
         active = [i for i, k in enumerate(budget) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         feed = {i: self.views[seqs[i].slot].ids[len(self.views[seqs[i].slot].kv) :] for i in active}
@@ -99,7 +105,8 @@ class TextDraftProposer:
                 view.kv += feed[i]
                 drafts[i].append(tokens[row])
                 feed[i] = [tokens[row]]
-                if not sure[row] or tokens[row] in self.bridge.draft_stops:
+                if not sure[row] or tokens[row] in self.bridge.draft_stops or \
+                        len(self.bridge.to_target(view, seqs[i].token_ids, drafts[i])) > num_tokens[i]:
                     budget[i] = step + 1  # this token is proposed, no more after it
         out = [self.bridge.to_target(self.views[s.slot], s.token_ids, d)[:k] if d else []
                for s, d, k in zip(seqs, drafts, num_tokens)]
