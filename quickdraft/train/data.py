@@ -89,22 +89,28 @@ def _frozen_files(out: Path) -> list[Path]:
         return files
 
 
+def jsonl_lines(path: str | Path, option: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line of the file the user gave as ``--option``;
+    a missing file or a line that is not JSON is a ConfigError naming both."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--{option} {str(path)!r} is not a file", option)
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--{option} {path}: line {n} is not JSON: {e}", option) from None
+
+
 def user_texts(path: str | Path) -> Iterator[str]:
     """A user's texts: JSONL (one object a line with "text", "prompt" or "messages"; a string) or
     plain text (the whole file)."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"--texts {str(path)!r} is not a file", "texts")
-    if path.suffix not in (".jsonl", ".json"):
+    if path.is_file() and path.suffix not in (".jsonl", ".json"):
         yield path.read_text(encoding="utf-8", errors="replace")
         return
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--texts {path}: line {n} is not JSON: {e}", "texts") from None
+    for n, doc in jsonl_lines(path, "texts"):
         if isinstance(doc, str):
             yield doc
         elif isinstance(doc, dict) and isinstance(doc.get("text") or doc.get("prompt"), str):

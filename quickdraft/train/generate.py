@@ -106,17 +106,11 @@ def default_prompts(limit: int, seed: int = 0) -> list[dict]:
 
 
 def read_prompts(path: str | Path) -> list[dict]:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"--prompts {str(path)!r} is not a file", "prompts")
+    """A user's prompts: JSONL, one object a line with ``"prompt"`` (raw text) or ``"messages"``."""
+    from quickdraft.train.data import jsonl_lines
+
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--prompts {path}: line {n} is not JSON: {e}", "prompts") from None
+    for n, doc in jsonl_lines(path, "prompts"):
         if not (isinstance(doc, dict) and (isinstance(doc.get("prompt"), str) or isinstance(doc.get("messages"), list))):
             raise ConfigError(f'--prompts {path}: line {n} has no "prompt" (text) or "messages" (a chat)', "prompts")
         out.append(doc)
