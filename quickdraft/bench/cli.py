@@ -199,10 +199,14 @@ def build_config(settings: dict, args):
     for given in _configs(args.speculative_config):  # each its own variant
         s = SpeculativeConfig.parse(given)
         if s.enabled:
-            options = tuple(sorted((k, v) for k, v in given.items() if k not in VARIANT_KEYS))
+            # a draft model is loaded once and shared; any other method's "model" (a trained head's
+            # directory) goes to its engine as given
+            draft = s.model if s.method == "draft_model" else None
+            options = tuple(sorted((k, v) for k, v in given.items()
+                                   if k not in VARIANT_KEYS or (k == "model" and draft is None)))
             vs.append(Variant(s.method, s.num_speculative_tokens,
                               s.prompt_lookup_max if s.method == "ngram" else None,
-                              s.prompt_lookup_min if s.method == "ngram" else None, s.model, s.adaptive,
+                              s.prompt_lookup_min if s.method == "ngram" else None, draft, s.adaptive,
                               s.num_branches, s.cross_tokenizer, options))
     vs = list(dict.fromkeys(vs))
     peers = [p for p in _names(settings["peers"]) if p != "none"]

@@ -33,6 +33,7 @@ from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, nbytes
 from quickdraft.models.loader import LoadedModel, load_model
+from quickdraft.proposers.heads import head_bytes
 from quickdraft.sampling import SamplingParams
 
 MIB = 1 << 20
@@ -60,7 +61,7 @@ class Variant:
         tree = f" tree B={self.branches}" if self.branches > 1 else ""
         if self.cross_tokenizer:
             tree += f" text {os.path.basename(self.draft or '')}"
-        extra = "".join(f" {k}={v}" for k, v in self.options)
+        extra = "".join(f" {k}={os.path.basename(str(v)) if k == 'model' else v}" for k, v in self.options)
         if self.method == "ngram":
             return f"ngram K={self.k}{fixed}{tree} n={self.lookup_min}..{self.lookup_max}{extra}"
         return f"{self.method} K={self.k}{fixed}{tree}{extra}"
@@ -315,9 +316,13 @@ class Harness:
         if draft is not None:
             held.update((id(t), t) for t in draft.w.values())
         head = getattr(proposer, "head", None)
-        if head is not None and head is not getattr(draft, "lm_head", None):
+        trained = [m for m in (head, getattr(proposer, "heads", None)) if isinstance(m, torch.nn.Module)]
+        if head is not None and head is not getattr(draft, "lm_head", None) and not trained:
             held[id(head)] = head
-        return sum(nbytes(t) for t in held.values())
+        for name in ("keys", "values"):  # a trained head's own KV cache (eagle3)
+            if isinstance(getattr(proposer, name, None), torch.Tensor):
+                held[id(getattr(proposer, name))] = getattr(proposer, name)
+        return sum(nbytes(t) for t in held.values()) + sum(head_bytes(m) for m in trained)
 
     def _measure(self, prompts, engines, lap: Callable[[str], None]):
         from tqdm import tqdm

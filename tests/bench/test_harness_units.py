@@ -61,6 +61,11 @@ def test_speculative_config_variant_keeps_its_other_keys():
                                                   '{"method": "suffix", "num_speculative_tokens": 6}]')
     names = [x.name for x in bench_cli.build_config(bench_cli.resolve(two), two).variants]
     assert names[-2:] == ["draft_model K=4 quantization=q4_0", "suffix K=6"]
+    # a trained head's directory is no draft to load: it reaches the engine in the spec as given
+    head = _args(suite="quick", speculative_config='{"method": "eagle3", "model": "/cache/heads/t/eagle3-generated"}')
+    v = bench_cli.build_config(bench_cli.resolve(head), head).variants[-1]
+    assert v.draft is None and v.name == "eagle3 K=4 model=eagle3-generated"
+    assert v.spec(None)["model"] == "/cache/heads/t/eagle3-generated"
     for bad in ('[{"method": "ngram"}, 3]', "{not json"):
         with pytest.raises(ConfigError, match="speculative-config"):
             bad_args = _args(suite="quick", speculative_config=bad)
