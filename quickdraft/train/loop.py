@@ -69,8 +69,8 @@ def fit(module: torch.nn.Module, loss_fn: Callable, windows: list[Window], steps
 
     ``mixed``: the forward and backward matmuls in bfloat16 under ``torch.autocast``, the weights,
     gradients and optimiser state in float32 (the usual mixed precision). On this AMD CPU
-    (AVX512-BF16) an EAGLE-3 step for the Qwen 1.5B ran 2.5x faster: 5.7 s against 12-14 s for
-    two windows of 512 tokens."""
+    (AVX512-BF16) an EAGLE-3 step for the Qwen 1.5B ran about 2.2x faster: 5.7-5.9 s against
+    11.7-13.5 s for two windows of 512 tokens."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
