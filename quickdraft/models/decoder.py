@@ -255,7 +255,10 @@ class Decoder:
             data = [w.data if isinstance(w, BlockWeight) else w
                     for w in (self.w[p + n + ".weight"] for n in self._PROJECTIONS)]
             weights = [self.w[p + "input_layernorm.weight"], *data[:4], self.w[p + "post_attention_layernorm.weight"], *data[4:]]
-            biases = [self.w.get(p + n + ".bias") for n in self._PROJECTIONS[:3]]
+            # a block projection's bias as its kernel reads it, float32 (the same values): converted
+            # once here, not at every call (~30 us a layer at one row, kernels/blocks.cpp)
+            biases = [b.float().contiguous() if b is not None and kind >= 0 else b
+                      for b, kind in zip((self.w.get(p + n + ".bias") for n in self._PROJECTIONS[:3]), kinds)]
             layers.append((weights, kinds, biases))
         return layers
 

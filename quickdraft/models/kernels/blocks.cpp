@@ -265,11 +265,16 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
     W[i] = w.data_ptr<uint8_t>();
     B[i] = nullptr;
     if (biases[i].has_value()) {
-      const int64_t n = biases[i]->numel();
+      const torch::Tensor& bias = *biases[i];
+      const int64_t n = bias.numel();
       TORCH_CHECK(n <= N && n > N - LANES, "a bias of ", n, " values for ", w.size(0), " tiles of 16 rows");
-      b32[i] = torch::zeros({N}, x.options().dtype(torch::kFloat32));
-      b32[i].narrow(0, 0, n).copy_(biases[i]->reshape({n}));
-      B[i] = b32[i].data_ptr<float>();
+      if (n == N && bias.scalar_type() == torch::kFloat32 && bias.is_contiguous()) {
+        B[i] = bias.data_ptr<float>();  // as the tiles read it (decoder.py's fused layers keep theirs so)
+      } else {  // three small torch operations a bias: ~10 us a call at one row
+        b32[i] = torch::zeros({N}, x.options().dtype(torch::kFloat32));
+        b32[i].narrow(0, 0, n).copy_(bias.reshape({n}));
+        B[i] = b32[i].data_ptr<float>();
+      }
     }
     first[i + 1] = first[i] + w.size(0);
     outs.push_back(torch::empty({M, N}, x.options()));
