@@ -128,3 +128,26 @@ def test_stored_model_agrees_with_the_dequantized_one(smollm2_path):
     print(f"top-1 agreement {agree:.2f}")
     assert agree >= 0.75, agree
     assert torch.corrcoef(torch.stack([stored.flatten(), dense.flatten()]))[0, 1] > 0.98
+
+
+def test_cached_embedding_rows_are_the_dequantized_rows(smollm2_path, monkeypatch):
+    """A Decoder on blocks keeps recently used embedding rows dequantized: what it returns, for a
+    pass's few tokens (repeats, hits, misses, evictions past the bound) or for a long prompt, is
+    exactly the dequantized rows."""
+    from quickdraft.models import decoder as decoder_module
+    from quickdraft.models.decoder import Decoder
+    from quickdraft.models.loader import load_model
+
+    monkeypatch.setattr(decoder_module, "EMBED_CACHE_ROWS", 16)  # passes of up to 4 tokens use it
+    model = load_model(str(smollm2_path), torch.bfloat16, quantization="gguf")
+    d = Decoder(model.config, model.weights)
+    embed = model.weights["model.embed_tokens.weight"]
+    assert isinstance(embed, BlockWeight)
+    passes = [[5], [5, 9], [9, 9, 700], [1, 2, 3, 4], [10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21], [5],
+              list(range(40, 52))]
+    for ids in passes:
+        tokens = torch.tensor(ids)
+        assert torch.equal(d._embed_blocks(embed, tokens), embed.dequantize(torch.bfloat16, rows=tokens)), ids
+        assert len(d._embed_cache) <= 16
+    assert list(d._embed_cache)[-1] == 5 and 700 not in d._embed_cache  # the most recent kept, the oldest gone
+    assert 40 not in d._embed_cache  # a long prompt's rows are unpacked directly
