@@ -48,6 +48,8 @@ from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, s
 # Draft passes that read a long catch-up (a prompt) run at prefill speed per row, not at the
 # speed the plan prices draft tokens at: the cost model learns from the others only.
 MAX_OBSERVED_FEED = 8
+# the block format "auto" gives a draft on GGUF blocks that are stored in more bits a weight than it
+AUTO_DRAFT_BLOCKS = "Q4_0"
 
 
 @register("draft_model")
@@ -191,6 +193,11 @@ def load_draft(spec, ctx, check_vocabulary: bool):
     if quantize == "auto":  # a GGUF draft kept in its stored blocks is smaller than int8 already
         on_cpu = torch.device(device).type == "cpu"  # the int8 kernel is a CPU kernel
         quantize = "int8" if on_cpu and quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
+        if stored and on_cpu and block_linear() is not None:
+            # and is requantized to Q4_0 where it is stored wider: a draft step reads fewer bytes
+            # (the Qwen 0.5B: 224 against 296 MiB). Three bench runs of the Qwen pair (README, "A
+            # 4-bit draft"): 1.25x, 1.21x, 1.23x over plain decoding against 1.11x, 1.20x, 1.06x as stored
+            requant = AUTO_DRAFT_BLOCKS
     if quantize == "int8" and stored:
         raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "
                           'draft\'s "quantization" out, or load the models dequantized (--quantization none)',
