@@ -38,6 +38,7 @@ from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BlockWeight, on_blocks, requantize_wider, wider
 from quickdraft.models.kernels import block_linear
 from quickdraft.models.loader import cached_blocks, ids_key, select_rows
+from quickdraft.models import registry
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
@@ -182,6 +183,8 @@ def load_draft(spec, ctx, check_vocabulary: bool):
     ``check_vocabulary``: refuse a draft whose vocabulary is not the target's."""
     device = available_device(spec.draft_device or ctx.device)
     requant = "Q4_0" if spec.quantization == "q4_0" else None
+    if spec.quantization == "auto" and _loads_on_blocks(spec.model, ctx, device):
+        requant = AUTO_DRAFT_BLOCKS  # as below, but the loader's own cached conversion: no stored copy read first
     if requant and (torch.device(device).type != "cpu" or block_linear() is None):
         raise ConfigError('quantization "q4_0" runs the draft on the CPU\'s GGUF block kernels (AVX512-VNNI), '
                           f"which the draft's device {device!r} does not have", "quantization")
@@ -207,6 +210,14 @@ def load_draft(spec, ctx, check_vocabulary: bool):
     if requant:
         weights, quantize = requantized(draft, weights, requant, "full" if head_ids is None else ids_key(head_ids)), None
     return draft, config, weights, quantize, head_ids
+
+
+def _loads_on_blocks(model, ctx, device: str) -> bool:
+    """Whether ``ctx.load_model`` will put the draft ``model``, a name or path, on the CPU's GGUF
+    block kernels: a GGUF file (every built-in is one), loaded as the target was, on blocks."""
+    if not isinstance(model, str) or torch.device(device).type != "cpu" or block_linear() is None:
+        return False
+    return on_blocks(ctx.target.weights) and (registry.is_builtin(model) or model.endswith(".gguf"))
 
 
 def draft_pass(model: Decoder, kv: KVCache, slots: list[int], cached: list[int], feeds: list[list[int]]) -> torch.Tensor:

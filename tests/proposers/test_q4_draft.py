@@ -86,3 +86,36 @@ def test_a_4_bit_draft_needs_the_block_kernels(smollm2_path, no_kernels):
     with pytest.raises(ConfigError, match="block kernels") as e:
         Engine(EngineConfig(model=MODEL, dtype="float32", max_model_len=64, max_num_seqs=1, speculative=spec))
     assert e.value.param == "quantization"
+
+
+def test_auto_gives_a_gguf_draft_q4_0_and_null_keeps_it_stored(smollm2_path, tmp_cache, monkeypatch):
+    """"auto" (the default) requantizes a GGUF draft on the block kernels as "q4_0" does, through
+    the loader's own cached conversion (a draft loaded by name is not read as stored first); a
+    draft given "quantization": null stays as its file stores it."""
+    import quickdraft.proposers.draft_model as draft_model
+
+    def config(**extra):
+        spec = SpeculativeConfig.parse({"method": "draft_model", "model": MODEL, **extra})
+        return EngineConfig(model=MODEL, dtype="bfloat16", max_model_len=64, max_num_seqs=1, speculative=spec)
+
+    def formats(engine):
+        return {w.ggml_type for w in engine.proposer.model.w.values() if isinstance(w, BlockWeight)}
+
+    wider_left, real = [], draft_model.requantized
+
+    def spy(draft, weights, kind, head):
+        wider_left.extend(n for n, w in weights.items() if ggml.wider(w, kind))
+        return real(draft, weights, kind, head)
+
+    monkeypatch.setattr(draft_model, "requantized", spy)
+    assert formats(Engine(config())) == {"Q4_0"}
+    assert not wider_left  # the loader made the Q4_0 weights, not the path for a draft handed in loaded
+    stored = formats(Engine(config(quantization=None)))
+    assert "Q4_1" in stored and "Q4_0" not in stored
+
+
+def test_auto_without_the_block_kernels_keeps_the_draft_as_loaded(smollm2_path, no_kernels):
+    """Where the kernels do not run, "auto" asks for no 4-bit draft (and so raises nothing)."""
+    spec = SpeculativeConfig.parse({"method": "draft_model", "model": MODEL})
+    engine = Engine(EngineConfig(model=MODEL, dtype="float32", max_model_len=64, max_num_seqs=1, speculative=spec))
+    assert not any(isinstance(w, BlockWeight) for w in engine.proposer.model.w.values())
