@@ -83,6 +83,7 @@ class TextDraftProposer:
                 budget[i] = max(0, min(k * DRAFT_PER_TARGET, self.max_len - len(view.ids))) if view.ids else 0
         active = [i for i, k in enumerate(budget) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
+        proposed: list[list[int]] = [[] for _ in seqs]  # target ids of each draft so far
         feed = {i: self.views[seqs[i].slot].ids[len(self.views[seqs[i].slot].kv) :] for i in active}
         for step in range(max(budget, default=0)):
             active = [i for i in active if budget[i] > step]
@@ -105,11 +106,10 @@ class TextDraftProposer:
                 view.kv += feed[i]
                 drafts[i].append(tokens[row])
                 feed[i] = [tokens[row]]
-                if not sure[row] or tokens[row] in self.bridge.draft_stops or \
-                        len(self.bridge.to_target(view, seqs[i].token_ids, drafts[i])) > num_tokens[i]:
+                proposed[i] = self.bridge.to_target(view, seqs[i].token_ids, drafts[i])
+                if not sure[row] or tokens[row] in self.bridge.draft_stops or len(proposed[i]) > num_tokens[i]:
                     budget[i] = step + 1  # this token is proposed, no more after it
-        out = [self.bridge.to_target(self.views[s.slot], s.token_ids, d)[:k] if d else []
-               for s, d, k in zip(seqs, drafts, num_tokens)]
+        out = [p[:k] for p, k in zip(proposed, num_tokens)]
         flat = [t for d in out for t in d]
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in out], None)
 
