@@ -164,7 +164,15 @@ def test_confidence_stop_and_adaptive_plan_change_only_the_speed(plain):
     outs = e.generate_ids(PROMPTS, [GREEDY] * 3)
     assert [o.token_ids for o in outs] == plain
     assert e.proposer.cost is not None and e.runner.target_cost is not None
-    assert e.proposer.cost(1) < e.runner.target_cost(1)  # the draft is priced below the target's pass
+    # The draft is first priced at its skip set's share of the target's calibrated pass, then refitted
+    # to its own timed passes. What those measure is the machine's to say (on this tiny model an
+    # Intel Xeon timed the draft's unfused pass above the target's fused one), so only the prior is
+    # compared here: speed belongs to the benchmarks.
+    share = e.proposer.search.cost(e.proposer.skip)
+    assert 0.0 < share < 1.0
+    prior = e.proposer._cost_model()
+    assert prior(1) == pytest.approx(share * e.proposer._target_cost(1)) and prior.observed() == 0
+    assert e.proposer.cost.observed() > 0  # refitted to the draft passes it timed
 
 
 def test_config():
