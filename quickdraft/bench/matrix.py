@@ -62,14 +62,18 @@ def measure(model: str, tensor: str, rows: list[int], rounds: int = 9) -> list[d
     blocks = BlockWeight.from_gguf(t.tensor_type.name, t.data, _torch_shape(t))
     dense = blocks.dequantize(torch.bfloat16)
     weights = {"blocks": _copies(blocks, blocks.nbytes), "bf16": _copies(dense, nbytes(dense))}
+    weights["blocks_vnni"] = weights["blocks"]
     tiles = max(1, min(blocks.data.shape[0], (512 << 10) // blocks.data.shape[1]))
     hot = BlockWeight(blocks.ggml_type, blocks.data[:tiles].clone(), blocks.in_features, tiles * LANES)
     module = block_linear()
     rate = module.vnni_rate(2000) * torch.get_num_threads() if module is not None else None  # a second, all threads
+    amx = module is not None and module.amx_active()
     out = []
     for m in tqdm(rows, desc=f"{tensor} by rows", leave=False):
         x = torch.randn(m, blocks.shape[1]).to(torch.bfloat16)
         cases = {"blocks": lambda w: w.linear(x), "bf16": lambda w: linear(x, w)}
+        if amx:  # the same blocks with AMX switched off, in the same rounds
+            cases["blocks_vnni"] = lambda w: _without_amx(module, lambda: w.linear(x))
         for k, fn in cases.items():
             _time(fn, weights[k])  # warm-up
         samples = {k: [] for k in cases}
@@ -82,12 +86,23 @@ def measure(model: str, tensor: str, rows: list[int], rounds: int = 9) -> list[d
                     "blocks_ms": med["blocks"] * 1e3, "bf16_ms": med["bf16"] * 1e3,
                     "blocks_bytes": blocks.nbytes, "bf16_bytes": nbytes(dense),
                     "hot_ns_per_512": hot_s * 1e9 / (hot.out_features * hot.in_features / 512),
-                    "vnni_floor_ms": m * blocks.out_features * blocks.in_features / 64 / rate * 1e3 if rate else None})
+                    "vnni_floor_ms": m * blocks.out_features * blocks.in_features / 64 / rate * 1e3 if rate else None,
+                    "amx": amx, "blocks_vnni_ms": med["blocks_vnni"] * 1e3 if amx else None})
     base = {k: out[0][k] for k in ("blocks_ms", "bf16_ms")}
     for r in out:
         r["blocks_vs_1_row"] = r["blocks_ms"] / base["blocks_ms"]
         r["bf16_vs_1_row"] = r["bf16_ms"] / base["bf16_ms"]
+        if amx:
+            r["blocks_vnni_vs_1_row"] = r["blocks_vnni_ms"] / out[0]["blocks_vnni_ms"]
     return out
+
+
+def _without_amx(module, fn):
+    was = module.use_amx(False)
+    try:
+        return fn()
+    finally:
+        module.use_amx(was)
 
 
 def plot(rows: list[dict], tensor: str, path: str) -> None:
@@ -101,6 +116,8 @@ def plot(rows: list[dict], tensor: str, path: str) -> None:
     r0 = rows[0]
     ax.plot(ms, [r["blocks_ms"] for r in rows], "o-", label=f"stored {r0['format']} blocks ({r0['blocks_bytes'] / 2**20:.1f} MiB)")
     ax.plot(ms, [r["bf16_ms"] for r in rows], "s-", label=f"bfloat16 ({r0['bf16_bytes'] / 2**20:.1f} MiB)")
+    if r0["amx"]:
+        ax.plot(ms, [r["blocks_vnni_ms"] for r in rows], "d-", label="the same blocks, AMX off (VNNI only)")
     if r0["vnni_floor_ms"] is not None:
         ax.plot(ms, [r["vnni_floor_ms"] for r in rows], "^:", color="black", linewidth=0.8,
                 label="the blocks' vpdpbusd alone, at this machine's rate")
@@ -139,11 +156,15 @@ def main(argv=None) -> int:
           f"{r0['bf16_bytes'] / 2**20:.1f} MiB in bfloat16; torch threads {torch.get_num_threads()}")
     print(f"{'rows':>5} {'blocks ms':>10} {'x 1 row':>8} {'bf16 ms':>9} {'x 1 row':>8} {'hot ns/512':>11} "
           f"{'vnni floor ms':>14} {'x 1 row':>8}")
+    module = block_linear()
+    if r0["amx"]:
+        print(f"blocks: passes of {module.amx_min_rows()}+ rows on AMX; beside them the same blocks with AMX off")
     for r in rows:
         floor = r["vnni_floor_ms"]
         floor_cols = f"{floor:>14.3f} {floor / r0['blocks_ms']:>8.2f}" if floor is not None else f"{'-':>14} {'-':>8}"
+        vnni = f"  AMX off: {r['blocks_vnni_ms']:.2f} ms, {r['blocks_vnni_vs_1_row']:.2f}x" if r["amx"] else ""
         print(f"{r['rows']:>5} {r['blocks_ms']:>10.2f} {r['blocks_vs_1_row']:>8.2f} {r['bf16_ms']:>9.2f} "
-              f"{r['bf16_vs_1_row']:>8.2f} {r['hot_ns_per_512']:>11.1f} {floor_cols}")
+              f"{r['bf16_vs_1_row']:>8.2f} {r['hot_ns_per_512']:>11.1f} {floor_cols}{vnni}")
     return 0
 
 

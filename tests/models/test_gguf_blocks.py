@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from quickdraft.models.ggml import BLOCKS, BlockWeight
-from quickdraft.models.kernels import ISA, _cpu_has
+from quickdraft.models.kernels import ISA, _cpu_has, amx_active, block_linear
 
 HAS_ISA = _cpu_has(*ISA)
 # where the float16 fields of each block lie (scale d, and min / dmin where there is one)
@@ -82,6 +82,29 @@ def test_kernel_rows_do_not_depend_on_the_batch(weight, dtype):
     alone = torch.cat([w.linear(x[r : r + 1]) for r in range(64)])
     for n in range(1, 65):
         assert torch.equal(w.linear(x[:n]), alone[:n]), f"{kind}: {n} rows"
+
+
+@pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-VNNI: the fallback runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_rows_are_the_vnni_rows(weight, dtype):
+    """Where AMX runs (an Intel Xeon from Sapphire Rapids), a pass of 40 rows takes it in blocks of
+    14, 14 and 12 rows (one tile shape of 14 rows: the last block ignores the 2 past row 40); every
+    output has the bits the VNNI tile gives it. (On other CPUs the rows test above covers the one
+    path there is.)"""
+    if not amx_active():
+        pytest.skip("no AMX here (the CPU lacks AMX-INT8, Linux refused its tile state, or QUICKDRAFT_AMX=0)")
+    kind, w, _ = weight
+    module = block_linear()
+    x = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(4)).to(dtype)
+    bias = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(5))
+    on_amx = w.linear(x, bias)
+    was = module.use_amx(False)
+    try:
+        on_vnni = w.linear(x, bias)
+    finally:
+        module.use_amx(was)
+    assert module.amx_active() and torch.equal(on_amx, on_vnni)
+    assert not torch.equal(on_amx, torch.zeros_like(on_amx))
 
 
 def test_fallback_is_the_float_product(weight, no_kernels):

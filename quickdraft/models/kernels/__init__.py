@@ -87,6 +87,13 @@ def block_linear():
     return _module()
 
 
+def amx_active() -> bool:
+    """Whether the block kernels run passes of several rows on AMX: the CPU has AMX-INT8, Linux
+    grants the process its tile state, and ``QUICKDRAFT_AMX`` is not 0 (blocks.cpp, "AMX")."""
+    module = _module()
+    return module is not None and module.amx_active()
+
+
 def chain_attention():
     """The compiled ``attend_chain(q [m, H, d] f32, keys, values [Hkv, L, d], ctx, scale) -> [m, H * d]``
     (row j over keys 0..ctx+j; see attention.cpp), or None."""
@@ -133,7 +140,7 @@ class Invariance:
     for bit rather than only to rounding."""
 
     promised: bool
-    path: str  # the linear path the decoder takes: "f32-avx512", "bf16-avx512", "int8-vnni", "torch-cpu", "torch-cuda"
+    path: str  # the linear path the decoder takes: "f32-avx512", "bf16-avx512", "gguf-blocks-bf16-avx512-amx", "torch-cpu", ...
     why: str  # one line for the user
 
     def to_dict(self) -> dict:
@@ -152,6 +159,10 @@ def invariance(dtype: torch.dtype, device: torch.device | str, blocks: bool = Fa
                           "differently in a verification pass than alone; greedy output equals plain decoding "
                           "except where the top two logits are within rounding")
     if dense_linear(dtype, device) is not None:  # the block kernels live in the same module
+        if blocks and amx_active():
+            return Invariance(True, f"{name}-avx512-amx",
+                              "quickdraft's own kernel: exact integer block sums (VNNI for a few rows, AMX for more) "
+                              "meet float in one sequence per output, whatever the rows")
         return Invariance(True, f"{name}-avx512",
                           "quickdraft's own kernel: one instruction sequence per output, whatever the rows")
     return Invariance(False, "torch-cpu", f"torch's matmul, whose rounding may depend on the row count: {_why_no_kernel(dtype)}")
@@ -208,7 +219,9 @@ def _module():
     try:
         module = cpp_extension.load(
             name="quickdraft_linear", sources=[str(src / name) for name in SOURCES], build_directory=str(build),
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                         # AMX intrinsics (blocks.cpp) run only where cpuid and Linux allow; the compiler never emits them itself
+                         "-mamx-tile", "-mamx-int8", "-fopenmp"],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, ...: correct but slower

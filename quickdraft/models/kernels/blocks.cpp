@@ -31,8 +31,14 @@
 // float lane that adds its blocks in k order, whatever the number of rows or where (m, n) falls.
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -161,6 +167,67 @@ inline __m512i dot_broadcast(__m512i acc, __m512i w, const int32_t* p) {
 
 inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// A block's 4-, 5- or 6-bit values at p unpacked to one byte a weight, two steps at a time: pair(v)
+// gives steps v and v + STEPS/2 (the low and high nibbles of vector v, with their high bits).
+template <int KIND>
+struct Unpacked {
+  using F = Format<KIND>;
+  static constexpr int HALF = F::STEPS / 2;
+  static constexpr int WIDTH = F::BITS - 4;
+  const uint8_t* p;
+  __m512i low = _mm512_set1_epi8(0x0f);
+  // the high bits of every step (5- and 6-bit): step s's at bits WIDTH * s of each byte
+  __m512i hb = F::BITS > 4 ? _mm512_loadu_si512(p + 64 * HALF) : _mm512_setzero_si512();
+  __m512i top = _mm512_set1_epi8(static_cast<char>(((1 << WIDTH) - 1) << 4));
+  explicit Unpacked(const uint8_t* at) : p(at) {}
+  __m512i high(int s) const {  // step s's high bits at bits 4.. of each byte (16-bit shifts: each byte's bits stay its own after the mask)
+    const int shift = 4 - WIDTH * s;
+    const __m512i v = shift >= 0 ? _mm512_slli_epi16(hb, shift) : _mm512_srli_epi16(hb, -shift);
+    return _mm512_and_si512(v, top);
+  }
+  void pair(int v, __m512i& w0, __m512i& w1) const {
+    const __m512i packed = _mm512_loadu_si512(p + 64 * v);
+    w0 = _mm512_and_si512(packed, low);
+    w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    if constexpr (F::BITS > 4) {
+      w0 = _mm512_or_si512(w0, high(v));
+      w1 = _mm512_or_si512(w1, high(v + HALF));
+    }
+  }
+};
+
+// A block's 16 weight scales and mins (ws, mn) from its fields after its values (sp), and the
+// super-block's d and dmin (K-quants)
+template <int KIND>
+inline void block_scales(const uint8_t* sp, __m512 d, __m512 dmin, __m512& ws, __m512& mn) {
+  mn = _mm512_setzero_ps();
+  if constexpr (KIND == Q4_K) {
+    ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)))), d);
+    mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)))), dmin);
+  } else if constexpr (KIND == Q6_K) {
+    ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)))), d);
+  } else {
+    ws = half16(sp);
+    if constexpr (Format<KIND>::MIN) mn = half16(sp + 32);
+  }
+}
+
+// Each lane's exact block sum (offset included) meets float once: f += sum * (w scale x x scale)
+// (- min x x scale x sum(q)). The one float sequence of every path and row count.
+template <int KIND>
+inline __m512 meet_float(__m512 f, __m512i sum, __m512 ws, __m512 mn, const Rows& x, int64_t at) {
+  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws, _mm512_set1_ps(x.xs[at])), f);
+  if constexpr (Format<KIND>::MIN) f = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.qs[at]), f);
+  return f;
+}
+
+inline void prefetch_block(const uint8_t* p, int64_t bytes, bool far) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + o), _MM_HINT_T0);
+  if (far) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_L2 + o), _MM_HINT_T1);
+  }
+}
+
 // The tile of 16 weight rows at T against rows m0 .. m0 + MB - 1 of x -> y[m0.., n0 .. n0 + 15].
 template <int KIND, int MB>
 inline void tile(const Rows& x, const uint8_t* T, const float* bias, const Out& y, int64_t N, int64_t m0, int64_t n0) {
@@ -168,7 +235,6 @@ inline void tile(const Rows& x, const uint8_t* T, const float* bias, const Out& 
   const int64_t K = x.K, nb = x.blocks;
   __m512 f[MB];
   for (int j = 0; j < MB; ++j) f[j] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0f);
   const int32_t* xq[MB];  // each row's x, 4 bytes (one step) an element
   for (int j = 0; j < MB; ++j) xq[j] = reinterpret_cast<const int32_t*>(x.q + (m0 + j) * K);
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
@@ -181,63 +247,198 @@ inline void tile(const Rows& x, const uint8_t* T, const float* bias, const Out& 
         p += F::SUPER_BYTES;
       }
     }
-    for (int64_t o = 0; o < F::BLOCK_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + o), _MM_HINT_T0);
-    if (x.far) {
-      for (int64_t o = 0; o < F::BLOCK_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_L2 + o), _MM_HINT_T1);
-    }
+    prefetch_block(p, F::BLOCK_BYTES, x.far);
     __m512i acc[MB];
     for (int j = 0; j < MB; ++j) acc[j] = F::OFFSET ? _mm512_set1_epi32(x.init[(m0 + j) * nb + b]) : _mm512_setzero_si512();
     const int64_t s0 = b * F::STEPS;  // the block's first step in x
-    constexpr int HALF = F::STEPS / 2;
     if constexpr (F::BITS == 8) {
       for (int s = 0; s < F::STEPS; ++s) {
         const __m512i w = _mm512_loadu_si512(p + 64 * s);
         for (int j = 0; j < MB; ++j) acc[j] = dot_broadcast(acc[j], w, xq[j] + s0 + s);
       }
     } else {
-      // the high bits of every step (5- and 6-bit): step s's at bits WIDTH * s of each byte
-      constexpr int WIDTH = F::BITS - 4;
-      const __m512i hb = F::BITS > 4 ? _mm512_loadu_si512(p + 64 * HALF) : _mm512_setzero_si512();
-      const __m512i top = _mm512_set1_epi8(static_cast<char>(((1 << WIDTH) - 1) << 4));
-      auto high = [&](int s) {  // step s's high bits at bits 4.. of each byte (16-bit shifts: each byte's bits stay its own after the mask)
-        const int shift = 4 - WIDTH * s;
-        const __m512i v = shift >= 0 ? _mm512_slli_epi16(hb, shift) : _mm512_srli_epi16(hb, -shift);
-        return _mm512_and_si512(v, top);
-      };
-      for (int v = 0; v < HALF; ++v) {
-        const __m512i packed = _mm512_loadu_si512(p + 64 * v);
-        __m512i w0 = _mm512_and_si512(packed, low), w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        if constexpr (F::BITS > 4) {
-          w0 = _mm512_or_si512(w0, high(v));
-          w1 = _mm512_or_si512(w1, high(v + HALF));
-        }
+      const Unpacked<KIND> u(p);
+      for (int v = 0; v < u.HALF; ++v) {
+        __m512i w0, w1;
+        u.pair(v, w0, w1);
         for (int j = 0; j < MB; ++j) {
           acc[j] = dot_broadcast(acc[j], w0, xq[j] + s0 + v);
-          acc[j] = dot_broadcast(acc[j], w1, xq[j] + s0 + v + HALF);
+          acc[j] = dot_broadcast(acc[j], w1, xq[j] + s0 + v + u.HALF);
         }
       }
     }
-    // each lane's exact block sum meets float once: f += sum * (w scale * x scale) (- min * x scale * sum(q))
-    const uint8_t* sp = p + F::VECTORS * 64;
-    __m512 ws, mn = _mm512_setzero_ps();
-    if constexpr (KIND == Q4_K) {
-      ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)))), d);
-      mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)))), dmin);
-    } else if constexpr (KIND == Q6_K) {
-      ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)))), d);
-    } else {
-      ws = half16(sp);
-      if constexpr (F::MIN) mn = half16(sp + 32);
-    }
-    for (int j = 0; j < MB; ++j) {
-      const int64_t at = (m0 + j) * nb + b;
-      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j]), _mm512_mul_ps(ws, _mm512_set1_ps(x.xs[at])), f[j]);
-      if constexpr (F::MIN) f[j] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.qs[at]), f[j]);
-    }
+    __m512 ws, mn;
+    block_scales<KIND>(p + F::VECTORS * 64, d, dmin, ws, mn);
+    for (int j = 0; j < MB; ++j) f[j] = meet_float<KIND>(f[j], acc[j], ws, mn, x, (m0 + j) * nb + b);
     p += F::BLOCK_BYTES;
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
   for (int j = 0; j < MB; ++j) y.store16((m0 + j) * N + n0, _mm512_add_ps(f[j], bv));
+}
+
+// ---- AMX (Intel Xeon from Sapphire Rapids): the same sums for up to 16 rows in one instruction ----
+//
+// The tile layout above is already AMX's: a block's steps are the rows of a B tile (L/4 rows of
+// 16 weight rows x 4 bytes), and x's block for up to 16 rows is an A tile (a row of L bytes each).
+// One tdpbsud (signed x, unsigned weights: the same operands as vpdpbusd's) gives every row's
+// exact integer block sum at once, where the VNNI tile spends L/4 vpdpbusd a row. The sums leave
+// the unit through memory, one 64-byte row each, and meet float exactly as in tile() (the offset
+// added after the products instead of before: integers, so the same sum; then the same convert,
+// scale and multiply-add), so a row's bits are those of the VNNI path and of any other row count.
+//
+// What it gains is bounded, because a block has 32 weights (16 for Q6_K) with a float scale of
+// its own: each tdpbsud does half the products it could (K = 32 of 64), and each block's sums
+// must be stored and turned into floats row by row (4 or 5 vector operations a row, as on VNNI).
+// Measured hot in L2 on an Intel Xeon (Q4_K, 2 threads, ns per 512 weights at 16 rows): 34 in
+// all, 24 without the tile operations, 23 without the float epilogue, 15 without both (x's
+// quantization and the call): the tile operations and the epilogue did not overlap, whatever
+// the lag between a block's product and its epilogue (1 to 3 blocks tried). So AMX runs only
+// passes whose blocks of rows reach AMX_MIN_ROWS, where it beat the VNNI tile streamed from
+// memory (README, "AMX"); fewer rows stay on VNNI, whose per-row cost is lower there.
+//
+// The tile configuration is loaded once a thread a call (ldtilecfg) and released after: torch's
+// oneDNN kernels configure their own.
+
+// rows a block of rows needs to go to AMX (README, "AMX": the 1.5B's Q4_K ffn_gate streamed, 12
+// rows tied with VNNI, 16 rows 0.59-0.64 ms against 0.75-0.77)
+constexpr int AMX_MIN_ROWS = 12;
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// the CPU has AMX-INT8 and Linux lets this process use it (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA: tile state is off by default for a process, and the first tile instruction without
+// it is a SIGILL)
+bool amx_hardware() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), int8 = d & (1u << 25);
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return tile && int8 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// on unless QUICKDRAFT_AMX=0, or use_amx(false) (the tests compare the two paths bit for bit)
+std::atomic<bool> amx_wanted{[] {
+  const char* e = std::getenv("QUICKDRAFT_AMX");
+  return !(e && std::string(e) == "0");
+}()};
+
+// Tile registers: two sets (sums, x, weights) = (0, 1, 2) and (3, 4, 5), used by alternate blocks
+// so that one block's products run while the one before leaves the unit. A pass's rows go in
+// equal blocks of up to 16 (20 rows: 10 and 10), all of one tile shape, configured once a call; x's
+// scratch has rows up to whole blocks, and the last block ignores the sums of the rows past M.
+template <int SET>
+inline void block_sums(const uint8_t* w, const int8_t* xa, int64_t K, int32_t* sums) {
+  if constexpr (SET == 0) {  // the intrinsics take tile numbers as literals
+    _tile_loadd(2, w, 64);
+    _tile_loadd(1, xa, K);
+    _tile_zero(0);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, sums, 64);
+  } else {
+    _tile_loadd(5, w, 64);
+    _tile_loadd(4, xa, K);
+    _tile_zero(3);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(3, sums, 64);
+  }
+}
+
+// tiles of `rows` rows of x (at most 16): a tile's loads, products and stores take time by its rows
+template <int KIND>
+void configure_tiles(int64_t rows) {
+  using F = Format<KIND>;
+  TileConfig cfg;
+  for (int set = 0; set < 2; ++set) {
+    const int t = 3 * set;
+    cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;            // sums: rows x 16 int32
+    cfg.rows[t + 1] = static_cast<uint8_t>(rows), cfg.colsb[t + 1] = F::L;  // x: rows x a block
+    cfg.rows[t + 2] = F::STEPS, cfg.colsb[t + 2] = 64;  // weights: a block's steps x 16 rows x 4 bytes
+  }
+  // GCC 12's _tile_loadconfig does not tell the optimizer that it reads the 64 bytes: it dropped
+  // the stores of rows and colsb above, and ldtilecfg then faulted. The "m" operand says so.
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// where block b of a tile starts (K-quants: after its super-block's d and dmin)
+template <int KIND>
+inline const uint8_t* block_at(const uint8_t* T, int64_t b) {
+  using F = Format<KIND>;
+  if constexpr (F::SUPER > 0) {
+    return T + b / F::SUPER * (F::SUPER_BYTES + F::SUPER * F::BLOCK_BYTES) + F::SUPER_BYTES + b % F::SUPER * F::BLOCK_BYTES;
+  } else {
+    return T + b * F::BLOCK_BYTES;
+  }
+}
+
+// The tile of 16 weight rows at T against rows m0 .. m0 + R - 1 of x on AMX, as tile<KIND, R>.
+// Software-pipelined by one block at each stage, so that no stage waits on the one before it:
+// iteration b unpacks block b + 1 into a B tile's bytes, multiplies block b, and turns block
+// b - 1's sums into floats. (One block at a time, each waited for its bytes to reach the unit
+// and its sums to come back: 4 rows cost 1.7x the VNNI tile's time.)
+template <int KIND, int R>
+inline void tile_amx(const Rows& x, const uint8_t* T, const float* bias, const Out& y, int64_t N, int64_t m0, int64_t n0) {
+  using F = Format<KIND>;
+  const int64_t K = x.K, nb = x.blocks;
+  __m512 f[R];
+  for (int j = 0; j < R; ++j) f[j] = _mm512_setzero_ps();
+  alignas(64) uint8_t wb[2][F::STEPS * 64];  // blocks b and b + 1 unpacked: B tiles' bytes
+  alignas(64) int32_t sums[2][16 * 16];       // C tiles: row j's 16 block sums at 16 j
+  const int8_t* xq = x.q + m0 * K;
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+  auto unpack = [&](int64_t b, uint8_t* to) {
+    const uint8_t* p = block_at<KIND>(T, b);
+    prefetch_block(p, F::BLOCK_BYTES, true);
+    if constexpr (F::BITS < 8) {
+      const Unpacked<KIND> u(p);
+      for (int v = 0; v < u.HALF; ++v) {
+        __m512i w0, w1;
+        u.pair(v, w0, w1);
+        _mm512_store_si512(to + 64 * v, w0);
+        _mm512_store_si512(to + 64 * (v + u.HALF), w1);
+      }
+    }
+  };
+  auto finish = [&](int64_t b, const int32_t* s) {
+    const uint8_t* p = block_at<KIND>(T, b);
+    if constexpr (F::SUPER > 0) {
+      if (b % F::SUPER == 0) {
+        d = half16(p - F::SUPER_BYTES);
+        if constexpr (F::MIN) dmin = half16(p - F::SUPER_BYTES + 32);
+      }
+    }
+    __m512 ws, mn;
+    block_scales<KIND>(p + F::VECTORS * 64, d, dmin, ws, mn);
+    for (int j = 0; j < R; ++j) {
+      const int64_t at = (m0 + j) * nb + b;
+      __m512i sum = _mm512_load_si512(s + 16 * j);
+      if constexpr (F::OFFSET != 0) sum = _mm512_add_epi32(sum, _mm512_set1_epi32(x.init[at]));  // integers: as if added first
+      f[j] = meet_float<KIND>(f[j], sum, ws, mn, x, at);
+    }
+  };
+  // the weights as the B tile reads them: unpacked, or (8-bit) the block as stored
+  auto weights = [&](int64_t b, int set) -> const uint8_t* { return F::BITS == 8 ? block_at<KIND>(T, b) : wb[set]; };
+  auto stage = [&](auto set, int64_t b) {  // set == b % 2
+    constexpr int S = decltype(set)::value;
+    if (b + 1 < nb) unpack(b + 1, wb[1 - S]);
+    if (b < nb) block_sums<S>(weights(b, S), xq + b * F::L, K, sums[S]);
+    if (b >= 1 && b - 1 < nb) finish(b - 1, sums[1 - S]);
+  };
+  unpack(0, wb[0]);
+  for (int64_t b = 0; b <= nb; b += 2) {
+    stage(std::integral_constant<int, 0>(), b);
+    stage(std::integral_constant<int, 1>(), b + 1);
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  for (int j = 0; j < R; ++j) y.store16((m0 + j) * N + n0, _mm512_add_ps(f[j], bv));
 }
 
 template <int KIND>
@@ -283,18 +484,43 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> xsbuf, qsbuf;
   thread_local std::vector<int32_t> initbuf;
-  int8_t* q = scratch(qbuf, M * K);
+  const int64_t amx_blocks = (M + 15) / 16, per_block = (M + amx_blocks - 1) / amx_blocks;  // AMX: rows in blocks of per_block
+  int8_t* q = scratch(qbuf, amx_blocks * per_block * K);  // whole AMX tiles (the rows past M: never read back)
   float* xs = scratch(xsbuf, M * nb);
   int32_t* init = scratch(initbuf, M * nb);
   float* qs = scratch(qsbuf, M * nb);
   quantize<KIND>(x, q, xs, init, qs);
   const Rows rows{q, xs, init, qs, K, nb, M > 1};
+  auto weight_of = [&](int64_t t) {  // tile t of the loop: its weight, and where it lies
+    int i = 0;
+    while (t >= first[i + 1]) ++i;
+    return i;
+  };
+  if (per_block >= AMX_MIN_ROWS && amx_wanted.load(std::memory_order_relaxed) && amx_hardware()) {
+    // The same static split of the tiles, each applied to blocks of 16 rows, the last one shorter.
+#pragma omp parallel
+    {
+      configure_tiles<KIND>(per_block);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < first[count]; ++t) {
+        const int i = weight_of(t);
+        const uint8_t* T = W[i] + (t - first[i]) * tile_bytes;
+        const int64_t N = (first[i + 1] - first[i]) * LANES, n0 = (t - first[i]) * LANES;
+        for (int64_t m0 = 0; m0 < M; m0 += per_block) {
+          one_block<16>(std::min(per_block, M - m0), m0, [&](auto mb, int64_t m) {
+            tile_amx<KIND, decltype(mb)::value>(rows, T, B[i], ys[i], N, m, n0);
+          });
+        }
+      }
+      _tile_release();
+    }
+    return outs;
+  }
   // Tiles split statically over the threads: each thread streams one run of whole tiles, and
   // applies each tile to blocks of up to 8 rows of x (a pass of more rows reads the tile again,
   // from cache: a tile of the 1.5B's widest matrix is 80 KB).
   over_tiles<1>(first[count], [&](auto, int64_t t) {
-    int i = 0;
-    while (t >= first[i + 1]) ++i;
+    const int i = weight_of(t);
     const uint8_t* T = W[i] + (t - first[i]) * tile_bytes;
     const int64_t N = (first[i + 1] - first[i]) * LANES, n0 = (t - first[i]) * LANES;
     over_rows_whole<8>(M, [&](auto mb, int64_t m0) { tile<KIND, decltype(mb)::value>(rows, T, B[i], ys[i], N, m0, n0); });
@@ -356,3 +582,12 @@ double vnni_rate(int64_t runs) {
   asm volatile("" : : "r"(sink));
   return static_cast<double>(N) / best;
 }
+
+// whether the block kernels run passes of AMX_MIN_ROWS rows or more on AMX: the CPU has it, Linux
+// grants it, and it is wanted
+bool amx_active() { return amx_hardware() && amx_wanted.load(); }
+
+// switch the AMX path on or off (off: every pass on the VNNI tile); returns the previous setting
+bool use_amx(bool on) { return amx_wanted.exchange(on); }
+
+int64_t amx_min_rows() { return AMX_MIN_ROWS; }

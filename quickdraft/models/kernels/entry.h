@@ -17,6 +17,9 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int6
 std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
                                               std::vector<c10::optional<torch::Tensor>> biases);
 double vnni_rate(int64_t runs);
+bool amx_active();
+bool use_amx(bool on);
+int64_t amx_min_rows();
 
 // attention.cpp
 torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);

@@ -199,6 +199,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x @ w.T + b in float32, batch invariant");
   m.def("linear_blocks", &linear_blocks, "x @ w.T + b: w in a GGUF block format as repacked by models/ggml.py, x quantized per block");
   m.def("linear_blocks_many", &linear_blocks_many, "linear_blocks for several weights of one format against one x, in one pass");
+  m.def("amx_active", &amx_active, "whether passes of several rows run on AMX (the CPU has it, Linux grants it, QUICKDRAFT_AMX is not 0)");
+  m.def("amx_min_rows", &amx_min_rows, "the rows from which a pass goes to AMX");
+  m.def("use_amx", &use_amx, "switch the AMX path on or off; returns the previous setting");
   m.def("vnni_rate", &vnni_rate, "512-bit vpdpbusd a second on one core: the fastest of runs of about a millisecond");
   m.def("attend_chain", &attend_chain, "row j of q attends over keys 0..ctx+j, batch invariant");
   m.def("attend_tree", &attend_tree, "row j of q attends over the context and its own path of new tokens, as a chain would");
