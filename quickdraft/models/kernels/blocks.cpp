@@ -382,8 +382,8 @@ inline const uint8_t* block_at(const uint8_t* T, int64_t b) {
 // The tile of 16 weight rows at T against rows m0 .. m0 + R - 1 of x on AMX, as tile<KIND, R>.
 // Software-pipelined by one block at each stage, so that no stage waits on the one before it:
 // iteration b unpacks block b + 1 into a B tile's bytes, multiplies block b, and turns block
-// b - 1's sums into floats. (One block at a time, each waited for its bytes to reach the unit
-// and its sums to come back: 4 rows cost 1.7x the VNNI tile's time.)
+// b - 1's sums into floats. (One block at a time, each waiting for its bytes to reach the unit
+// and its sums to come back, cost more: hot, 16 rows, 29.7 against 25.4 ns per 512 weights.)
 template <int KIND, int R>
 inline void tile_amx(const Rows& x, const uint8_t* T, const float* bias, const Out& y, int64_t N, int64_t m0, int64_t n0) {
   using F = Format<KIND>;
