@@ -78,10 +78,12 @@ def test_suffix_equals_plain(target, plain, spec):
     assert 0 < accepted[0] < accepted[1]
 
 
-def test_self_draft_accepts_everything(target, plain):
-    """The model as its own draft: every draft token accepted, output unchanged."""
+@pytest.mark.parametrize("k", [4, 15])
+def test_self_draft_accepts_everything(target, plain, k):
+    """The model as its own draft: every draft token accepted, output unchanged. K=15 verifies 16
+    rows a pass, which on the GGUF blocks runs on AMX where the CPU has it (kernels/blocks.cpp)."""
     dtype, model = target
-    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4,
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": k,
                                          "quantization": None, "draft_confidence_threshold": 0.0,
                                          "adaptive": False}, dtype=dtype)
     outs = llm.generate(PROMPTS, PARAMS)
