@@ -11,7 +11,8 @@ least): what the arithmetic and the loads cost, in ns per 512 weights of one wei
 And the arithmetic's floor: every row of a pass costs one 512-bit vpdpbusd per 64 products, in
 any layout, so rows x weights / 64 of them at this machine's measured rate (``vnni_rate``, one
 core, times the threads) is a pass's least time once the weights are read (on a Zen 4 core, one
-a cycle: 512-bit operations run as two 256-bit halves).
+a cycle: 512-bit operations run as two 256-bit halves). Where the block kernels run on AMX (an
+Intel Xeon with AMX-INT8), the blocks are timed a second time with AMX off, in the same rounds.
 
     python -m quickdraft.bench.matrix --model qwen2.5-coder-1.5b-instruct --tensor blk.0.ffn_gate.weight \
         --plot docs/figures/gguf_rows.png

@@ -88,8 +88,9 @@ def block_linear():
 
 
 def amx_active() -> bool:
-    """Whether the block kernels run passes of several rows on AMX: the CPU has AMX-INT8, Linux
-    grants the process its tile state, and ``QUICKDRAFT_AMX`` is not 0 (blocks.cpp, "AMX")."""
+    """Whether the block kernels run passes of many rows (``amx_min_rows()``, 12) on AMX: the CPU has
+    AMX-INT8, Linux grants the process its tile state, and ``QUICKDRAFT_AMX`` is not 0 (blocks.cpp,
+    "AMX")."""
     module = _module()
     return module is not None and module.amx_active()
 
