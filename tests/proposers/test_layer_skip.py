@@ -166,8 +166,9 @@ def test_confidence_stop_and_adaptive_plan_change_only_the_speed(plain):
     assert e.proposer.cost is not None and e.runner.target_cost is not None
     # The draft is first priced at its skip set's share of the target's calibrated pass, then refitted
     # to its own timed passes. What those measure is the machine's to say (on this tiny model an
-    # Intel Xeon timed the draft's unfused pass above the target's fused one), so only the prior is
-    # compared here: speed belongs to the benchmarks.
+    # Intel Xeon timed the draft's pass, whose layers with a skipped sublayer take the unfused path,
+    # above the target's fused one), so only the prior is compared here: speed belongs to the
+    # benchmarks.
     share = e.proposer.search.cost(e.proposer.skip)
     assert 0.0 < share < 1.0
     prior = e.proposer._cost_model()
