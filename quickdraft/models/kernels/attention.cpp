@@ -64,7 +64,10 @@ void attend_rows(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks,
 #pragma omp parallel
   {
     std::vector<float> scores(ctx + m + 16);
-#pragma omp for schedule(static) collapse(2)
+    // (row, head) pairs dealt out one at a time in turn: row j reads ctx + j + 1 keys, so halves in
+    // order gave a prompt's pass (ctx 0) one thread three times the other's work (the 1.5B's
+    // 810-token prompt, Intel Xeon, 2 threads: 45.6 -> 29.8 ms a layer; decoding rows: the same)
+#pragma omp for schedule(static, 1) collapse(2)
     for (int64_t j = 0; j < m; ++j)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t kvh = h / group;
