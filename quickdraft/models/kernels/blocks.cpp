@@ -300,7 +300,7 @@ inline void tile(const Rows& x, const uint8_t* T, const float* bias, const Out& 
 // oneDNN kernels configure their own.
 
 // rows a block of rows needs to go to AMX (README, "AMX": the 1.5B's Q4_K ffn_gate streamed, 12
-// rows tied with VNNI, 16 rows 0.59-0.64 ms against 0.75-0.77)
+// rows tied with VNNI, 16 rows 0.59-0.64 ms against 0.73-0.77)
 constexpr int AMX_MIN_ROWS = 12;
 
 struct TileConfig {
