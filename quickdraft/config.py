@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from quickdraft.errors import ConfigError
 
 METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa", "layer_skip")
+TREE_METHODS = ("ngram", "suffix", "draft_model")  # those that draft token trees (num_branches > 1)
 # Measured (README, "Truncated draft vocabulary"): on code, the Qwen pair's acceptance is the full
 # head's at 65536 and 32768 and drops at 16384; 65536 also holds 98% of the tokens of English docs
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
@@ -31,9 +32,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # K: draft tokens proposed per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched
     prompt_lookup_min: int = 2  # ngram: shortest n-gram matched (1 proposes on any repeated token)
-    # ngram, suffix: token trees of at most num_speculative_tokens nodes, verified in one pass
-    # (verify/tree.py). ngram merges up to this many distinct continuations of earlier matches;
-    # suffix gives each node up to this many children, best-first by path probability. 1: chains
+    # ngram, suffix, draft_model: token trees, verified in one pass (verify/tree.py). ngram merges
+    # up to this many distinct continuations of earlier matches; suffix gives each node up to this
+    # many children, best-first by path probability (both at most num_speculative_tokens nodes);
+    # draft_model grows greedy requests' trees EAGLE-2's way, this many nodes expanded a level and
+    # this many children each, num_speculative_tokens deep, the best num_speculative_tokens x this
+    # many nodes kept, and with adaptive on, only those whose rows pay (engine/cost.py). 1: chains
     num_branches: int = 1
     # draft_model, layer_skip, eagle3: stop drafting for a sequence once the draft's own probability of its token
     # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
@@ -125,9 +129,10 @@ class SpeculativeConfig:
         nb = self.num_branches
         if isinstance(nb, bool) or not isinstance(nb, int) or not 1 <= nb <= 8:
             raise ConfigError(f"num_branches must be an integer in 1..8, got {nb!r}", "num_branches")
-        if nb > 1 and self.method not in ("ngram", "suffix"):
-            raise ConfigError(f'num_branches > 1 (token trees) is for methods "ngram" and "suffix" so far, not '
-                              f"{self.method!r}", "num_branches")
+        if nb > 1 and (self.method not in TREE_METHODS or self.cross_tokenizer):
+            raise ConfigError(f"num_branches > 1 (token trees) is for methods {', '.join(TREE_METHODS)} (a draft "
+                              f"model of the target's tokenizer) so far, not {self.method!r}"
+                              + (" with cross_tokenizer" if self.cross_tokenizer else ""), "num_branches")
         t = self.draft_confidence_threshold
         if not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
             raise ConfigError(f"draft_confidence_threshold must be in [0, 1), got {t!r}", "draft_confidence_threshold")

@@ -79,7 +79,7 @@ def register(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", help="K values, comma-separated (e.g. 2,4,6,8)")
     p.add_argument("--prompt-lookup-max", help="ngram: longest n-gram sizes, comma-separated")
     p.add_argument("--prompt-lookup-min", help="ngram: shortest n-gram sizes, comma-separated")
-    p.add_argument("--num-branches", help="ngram, suffix: 1 (chains), or more to draft token trees "
+    p.add_argument("--num-branches", help="ngram, suffix, draft_model: 1 (chains), or more to draft token trees "
                                           "(e.g. 1,3: chains and trees side by side)")
     p.add_argument("--adaptive", help="true (K planned per step, up to each K: the default), false (always K), "
                                       "or true,false (both)")

@@ -28,7 +28,7 @@ import torch
 from quickdraft.bench import datasets, stats
 from quickdraft.bench.floor import floor, measure_bandwidth
 from quickdraft.cli import summarize
-from quickdraft.config import EngineConfig
+from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, nbytes
@@ -87,14 +87,14 @@ class Variant:
 def variants(methods: list[str], ks: list[int], draft: str | None, lookup_max: list[int],
              lookup_min: list[int], adaptive: tuple[bool, ...] = (True,), branches: list[int] = (1,)) -> list[Variant]:
     """Every combination, ``none`` first (added when not asked for: it is the baseline); branch
-    counts apply to the methods that draft trees (ngram, suffix)."""
+    counts apply to the methods that draft trees (config.TREE_METHODS)."""
     out = [Variant("none")]
     for m in methods:
         if m == "none":
             continue
         for k in ks:
             for a in adaptive:
-                for b in (branches if m in ("ngram", "suffix") else (1,)):
+                for b in (branches if m in TREE_METHODS else (1,)):
                     if m == "ngram":
                         out += [Variant(m, k, hi, lo, adaptive=a, branches=b)
                                 for hi in lookup_max for lo in lookup_min if lo <= hi]

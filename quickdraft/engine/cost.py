@@ -312,6 +312,34 @@ def plan_draft_lengths(
     return best_ks
 
 
+def plan_tree_sizes(values: list[list[float] | None], target: LinearCost, rows: int, keys: int,
+                    contexts: list[int], spent: float = 0.0) -> list[int]:
+    """How many nodes of each valued tree (``values[i]``: each node's chance of being accepted,
+    from the proposer; None: not a valued tree) the target verifies: its most valuable ones, taken
+    across the batch in order of value while each one's value per second of its row beats the
+    step's expected tokens per second so far, the rule of plan_draft_lengths with a node's value
+    for alpha^j. The tree's size is then a decision priced at this batch's rows (EAGLE-2 fixes it
+    instead). ``rows`` and ``keys``: the pass's rows and key reads besides the trees' nodes
+    (pending tokens, chains' drafts); ``contexts`` [batch]: where each tree starts; ``spent``:
+    seconds the drafts took already, part of the step's rate though no longer a choice.
+    -> [batch] nodes to keep (a sequence without values: all of its drafts)."""
+    batch = len(values)
+    keep = [0 if v is not None else -1 for v in values]
+    items = sorted(((v, i, j) for i, vs in enumerate(values) if vs is not None
+                    for j, v in enumerate(sorted(vs, reverse=True))), key=lambda item: (-item[0], item[1], item[2]))
+    tokens, seconds = float(batch), spent + target(rows, batch, keys)
+    for value, i, j in items:
+        if keep[i] != j:
+            continue  # a more valuable node of its tree did not pay
+        cost = target.row_cost(rows) + target.per_key * contexts[i]
+        if value * seconds > tokens * cost:
+            keep[i] += 1
+            tokens += value
+            seconds += cost
+            rows += 1
+    return keep
+
+
 def step_rate(ks: list[int], alphas: list[float], target: LinearCost, draft: LinearCost | None,
               contexts: list[int] | None = None) -> float:
     """Expected tokens per second of one decoding step (one pending token each) with draft

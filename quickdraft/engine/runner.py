@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.engine.cost import LinearCost, key_reads
+from quickdraft.engine.cost import LinearCost, key_reads, plan_tree_sizes
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence, TokenLogprob
@@ -87,7 +87,10 @@ class Runner:
         proposer; forced_room [batch]: the most forced grammar tokens (none if None)."""
         forced = [s.grammar.forced(room) if s.grammar is not None else []
                   for s, room in zip(seqs, forced_room or [0] * len(seqs))]
+        started = time.perf_counter()
         proposal = self._propose(seqs, [0 if f else k for f, k in zip(forced, num_draft)])
+        if proposal.values is not None and self.target_cost is not None:
+            proposal = self._trim_trees(seqs, proposal, time.perf_counter() - started)
         if any(s.grammar is not None for s in seqs):
             proposal = _grammar_drafts(seqs, proposal, forced)
         started = time.perf_counter()
@@ -122,6 +125,16 @@ class Runner:
         if not any(num_draft):
             return DraftProposal.empty(len(seqs))
         return self.proposer.propose(seqs, num_draft)
+
+    def _trim_trees(self, seqs: list[Sequence], proposal: DraftProposal, spent: float) -> DraftProposal:
+        """Each tree the proposer valued cut to the nodes whose rows pay at this batch
+        (cost.plan_tree_sizes), before the target scores them."""
+        valued = [proposal.values[i] if proposal.tree(i) is not None else None for i in range(len(seqs))]
+        chains = [0 if v is not None else k for v, k in zip(valued, proposal.num_tokens)]
+        keep = plan_tree_sizes(valued, self.target_cost, sum(s.num_pending + k for s, k in zip(seqs, chains)),
+                               sum(key_reads(s.num_cached, s.num_pending + k) for s, k in zip(seqs, chains)),
+                               [s.num_cached + s.num_pending for s in seqs], spent)
+        return proposal.trimmed(keep)
 
     def _score(self, seqs: list[Sequence], proposal: DraftProposal) -> torch.Tensor:
         drafts = proposal.token_ids.tolist()

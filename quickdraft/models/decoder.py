@@ -47,8 +47,10 @@ class AttentionMetadata:
     slots: list[int]  # [batch] KV-cache slot of each sequence
     context_lens: list[int]  # [batch] tokens of each sequence already in the cache
     query_lens: list[int]  # [batch] new tokens of each sequence in this pass (sum = num_tokens)
-    # [batch] None: causal chain among the new tokens; else [query_len, query_len] bool, True =
-    # may attend (for token trees). Cached tokens are always visible.
+    # [batch] None: causal chain among the new tokens; else [query_len, hidden + query_len] bool,
+    # True = may attend (for token trees): the last ``hidden`` cached tokens (tree nodes an earlier
+    # pass wrote: a draft grows its tree a level a pass), then the new tokens. The cached tokens
+    # before those are always visible.
     masks: list[torch.Tensor | None] | None = None
 
     @classmethod
@@ -384,16 +386,19 @@ class Decoder:
 
     @staticmethod
     def _paths(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A token tree's mask [qlen, qlen] -> (start [qlen + 1], path): row j's visible new tokens
-        (its ancestors and itself, in order) are path[start[j]:start[j + 1]]."""
+        """A token tree's mask [qlen, hidden + qlen] -> (start [qlen + 1], path): row j's visible tree
+        tokens (its ancestors and itself, in order, counted from the first hidden one) are
+        path[start[j]:start[j + 1]]."""
         rows, cols = mask.cpu().nonzero(as_tuple=True)  # row-major: each row's columns ascending
         counts = torch.bincount(rows, minlength=mask.shape[0])
         return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]), cols.long()
 
     @staticmethod
     def _mask(meta: AttentionMetadata, i: int, ctx: int, qlen: int, device) -> torch.Tensor:
-        """[qlen, ctx + qlen] bool, True = may attend: all cached tokens, then the new-token mask."""
+        """[qlen, ctx + qlen] bool, True = may attend: the cached tokens before the tree's hidden
+        nodes, then the tree mask (or a causal chain's)."""
         new = meta.masks[i] if meta.masks is not None and meta.masks[i] is not None else None
         if new is None:
             new = torch.ones(qlen, qlen, dtype=torch.bool, device=device).tril()
-        return torch.cat([torch.ones(qlen, ctx, dtype=torch.bool, device=device), new.to(device)], dim=1)
+        shared = ctx + qlen - new.shape[1]
+        return torch.cat([torch.ones(qlen, shared, dtype=torch.bool, device=device), new.to(device)], dim=1)

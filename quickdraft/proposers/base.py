@@ -34,10 +34,34 @@ class DraftProposal:
     # [batch] each sequence's draft tokens as a token tree: node i's parent (< i, or -1 for the
     # last committed token); None (for the batch or a sequence): a chain
     parents: list[list[int] | None] | None = None
+    # [batch] each tree node's value: the proposer's estimate of the chance that the target accepts
+    # it (its whole path), where the proposer has one (the draft model's trees); a node's value
+    # never exceeds its parent's. None (for the batch or a sequence): no estimate, kept as proposed
+    values: list[list[float] | None] | None = None
 
     def tree(self, i: int) -> list[int] | None:
         """Sequence i's parents when its drafts form a tree, else None."""
         return None if self.parents is None else self.parents[i]
+
+    def trimmed(self, keep: list[int]) -> "DraftProposal":
+        """Each valued tree cut to its ``keep[i]`` most valuable nodes (ties to the earlier node, so
+        every kept node's parent is kept), in their order; other sequences as they are."""
+        flat, counts, parents, values, rows, at = [], [], [], [], [], 0
+        for i, k in enumerate(self.num_tokens):
+            nodes = list(range(k))
+            value = None if self.values is None else self.values[i]
+            if value is not None and self.tree(i) is not None:
+                nodes = sorted(sorted(nodes, key=lambda n: (-value[n], n))[: keep[i]])
+            index = {n: j for j, n in enumerate(nodes)}
+            flat += [at + n for n in nodes]
+            counts.append(len(nodes))
+            tree = self.tree(i)
+            parents.append(None if tree is None else [index[tree[n]] if tree[n] >= 0 else -1 for n in nodes])
+            values.append(None if value is None else [value[n] for n in nodes])
+            at += k
+        rows = torch.tensor(flat, dtype=torch.long)
+        probs = None if self.probs is None else self.probs[rows.to(self.probs.device)]
+        return DraftProposal(self.token_ids[rows], counts, probs, parents, values)
 
     @classmethod
     def empty(cls, batch: int, device="cpu") -> "DraftProposal":

@@ -42,7 +42,7 @@ from quickdraft.models import registry
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
-from quickdraft.proposers.base import DraftProposal, register
+from quickdraft.proposers.base import DraftProposal, accepts_trees, register
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
 
@@ -56,10 +56,14 @@ AUTO_DRAFT_BLOCKS = "Q4_0"
 @register("draft_model")
 class DraftModelProposer:
     def __init__(self, draft: Decoder, num_slots: int, max_len: int, confidence_threshold: float = 0.0,
-                 calibrate_cost: bool = False, head_ids: torch.Tensor | None = None):
+                 calibrate_cost: bool = False, head_ids: torch.Tensor | None = None, num_branches: int = 1):
         """``head_ids`` [N] int64: the full-vocabulary id of each row of ``draft``'s output head when
-        the head is truncated (``truncated_head``); None: the head has every row."""
+        the head is truncated (``truncated_head``); None: the head has every row. ``num_branches``
+        > 1: greedy requests draft token trees (``_grow_trees``)."""
         self.model = draft
+        self.branches = num_branches
+        self._trees: dict[int, DraftTreeState] = {}  # slot -> the tree proposed this step, for observe
+        self.edge_scale = EdgeCalibration()
         self.vocab_size = draft.config.vocab_size
         self.head_ids = None if head_ids is None else head_ids.to(draft.device)
         self.threshold = confidence_threshold
@@ -76,9 +80,23 @@ class DraftModelProposer:
             return TextDraftProposer.from_config(spec, ctx)
         draft, config, weights, quantize, head_ids = load_draft(spec, ctx, check_vocabulary=True)
         return cls(Decoder(config, weights, quantize=quantize), ctx.num_slots, ctx.max_model_len,
-                   spec.draft_confidence_threshold, calibrate_cost=spec.adaptive, head_ids=head_ids)
+                   spec.draft_confidence_threshold, calibrate_cost=spec.adaptive, head_ids=head_ids,
+                   num_branches=spec.num_branches)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
+        """Chains, and with ``num_branches`` > 1 a token tree for each greedy request that takes
+        one (base.accepts_trees): a sampled request's tree would need its shape chosen without
+        looking at the draws it holds (verify/tree.py tests each child as drawn from q), which a
+        tree ranked by the draws' own probabilities is not."""
+        grow = [i for i, k in enumerate(num_tokens) if k > 0 and self.branches > 1 and seqs[i].params.greedy
+                and accepts_trees(seqs[i].params)]
+        if not grow:
+            return self._propose_chains(seqs, num_tokens)
+        chains = self._propose_chains(seqs, [0 if i in grow else k for i, k in enumerate(num_tokens)])
+        trees = self._grow_trees([seqs[i] for i in grow], [num_tokens[i] for i in grow])
+        return merged_proposal(chains, dict(zip(grow, trees)), len(seqs))
+
+    def _propose_chains(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)  # shortened below where the draft loses confidence
         active = [i for i, k in enumerate(num_tokens) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -131,6 +149,63 @@ class DraftModelProposer:
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
 
+    def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
+        """A token tree for each sequence, grown as EAGLE-2 does (Li et al. 2024, "dynamic draft
+        trees"): a node's value is the draft's confidence in its whole path (the product of its
+        edges' probabilities, scaled by ``edge_scale`` to what the target accepts); each level
+        expands the ``num_branches`` most valuable nodes of the last one, each with its
+        ``num_branches`` likeliest tokens, in one draft pass for the batch, and stops when no
+        frontier node could still enter the best N; the best N nodes are proposed (a node's value
+        never exceeds its parent's, so they form a tree). ``budgets`` [n]: the planned chain
+        length K, which bounds the depth; N is K x num_branches, within the context. With one
+        branch this is the greedy chain, token for token. -> (tokens, parents, values) each."""
+        B = self.branches
+        feeds = [s.token_ids[self._cached[s.slot]:] for s in seqs]
+        trees = [DraftTreeState(self._cached[s.slot] + len(f)) for s, f in zip(seqs, feeds)]
+        room = [self.kv.max_len - t.base - 1 for t in trees]
+        sizes = [max(1, min(k * B, r)) for k, r in zip(budgets, room)]
+        started = time.perf_counter()
+        logits = self._forward(seqs, feeds)  # [n, N] after each sequence's last committed token
+        self._observe_pass(started, seqs, feeds)
+        for t, row in zip(trees, self._children(logits)):
+            t.add_children(-1, row, self.edge_scale.scale)
+        for depth in range(1, max(budgets)):
+            grow = []  # (sequence, nodes to expand)
+            for i, t in enumerate(trees):
+                nodes = t.to_expand(depth, B, sizes[i], room[i]) if depth < budgets[i] else []
+                if nodes:
+                    grow.append((i, nodes))
+            if not grow:
+                break
+            started = time.perf_counter()
+            logits = tree_pass(self.model, self.kv, [seqs[i].slot for i, _ in grow], [trees[i] for i, _ in grow],
+                               [nodes for _, nodes in grow])
+            if self.cost is not None:
+                rows = sum(len(nodes) for _, nodes in grow)
+                keys = sum(key_reads(trees[i].base + trees[i].written - len(nodes), len(nodes)) for i, nodes in grow)
+                self.cost.observe(rows, time.perf_counter() - started, len(grow), keys)
+            children, at = self._children(logits), 0
+            for i, nodes in grow:
+                for node in nodes:
+                    trees[i].add_children(node, children[at], self.edge_scale.scale)
+                    at += 1
+        for s, t in zip(seqs, trees):
+            self._trees[s.slot] = t
+        return [t.best(n) for t, n in zip(trees, sizes)]
+
+    def _children(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
+        """logits [n, N] over the head's rows -> each row's ``num_branches`` likeliest tokens
+        (full-vocabulary ids) with the draft's probability of each (at temperature 1), likeliest first."""
+        probs, rows = torch.softmax(logits.float(), dim=-1).topk(self.branches, dim=-1)
+        ids = rows if self.head_ids is None else self.head_ids[rows]
+        return [list(zip(r, p)) for r, p in zip(ids.tolist(), probs.tolist())]
+
+    def _observe_pass(self, started: float, seqs, feeds) -> None:
+        """A draft pass that fed ``feeds`` timed for the cost model (unless it read a long catch-up)."""
+        if self.cost is not None and max(len(f) for f in feeds) <= MAX_OBSERVED_FEED:
+            keys = sum(key_reads(self._cached[s.slot] - len(f), len(f)) for s, f in zip(seqs, feeds))
+            self.cost.observe(sum(len(f) for f in feeds), time.perf_counter() - started, len(seqs), keys)
+
     def _grammar_mask(self, logits: torch.Tensor, active: list[int], grammars: dict) -> tuple[torch.Tensor, set[int]]:
         """logits [n, N] with each grammar row's disallowed tokens at -inf (a copy), and the
         sequences whose grammar allows none of the head's tokens (their row is left as it was)."""
@@ -156,8 +231,19 @@ class DraftModelProposer:
 
     def observe(self, seqs, outcome) -> None:
         # Keys of draft tokens past the accepted prefix are stale; the next pass overwrites them.
-        for s, accepted in zip(seqs, outcome.num_accepted):
-            self._cached[s.slot] = min(self._cached[s.slot], len(s) + accepted)
+        for s, accepted, tokens in zip(seqs, outcome.num_accepted, outcome.token_ids):
+            tree = self._trees.pop(s.slot, None)
+            if tree is None:
+                self._cached[s.slot] = min(self._cached[s.slot], len(s) + accepted)
+                continue
+            # The target's token at each row the walk visited (its greedy choices: the accepted
+            # nodes, then the bonus) against the draft's children there: the confidence calibration;
+            # the accepted nodes the draft has keys for (those it expanded) moved into place.
+            path = tree.walk(list(tokens), accepted)
+            self.edge_scale.record(tree, path, list(tokens))
+            fed = [tree.fed[n] for n in path if tree.fed[n] >= 0]
+            self.kv.keep_path(s.slot, tree.base, fed)
+            self._cached[s.slot] = tree.base + len(fed)
 
     def catchup_rows(self, seq) -> int:
         # after a draft with no rejection, or steps without drafting, the draft is behind by more than 1
@@ -171,10 +257,151 @@ class DraftModelProposer:
         self._cached[seq.slot] = held
 
     def release(self, seq) -> None:
-        pass  # the slot's draft keys stay for reuse; _cached[slot] says how many are valid
+        self._trees.pop(seq.slot, None)  # the slot's draft keys stay for reuse; _cached[slot] says how many are valid
 
     def close(self) -> None:
         pass
+
+
+class DraftTreeState:
+    """One sequence's draft tree while ``_grow_trees`` grows it, kept until ``observe``. Nodes
+    are numbered in the order they were made (a parent before its children); node n's keys are in
+    the draft cache at ``base + fed[n]`` once it has been expanded (fed to the draft)."""
+
+    def __init__(self, base: int):
+        self.base = base  # the sequence's tokens in the draft cache: the tree's first level goes at this position
+        self.tokens: list[int] = []
+        self.parents: list[int] = []  # node -> parent node, -1 for the root (the last committed token)
+        self.depth: list[int] = []  # 1 for the root's children
+        self.probs: list[float] = []  # the draft's probability of the node's token after its parent
+        self.values: list[float] = []  # the product of the calibrated probabilities on its path
+        self.fed: list[int] = []  # node -> index among the nodes written to the draft cache, or -1
+        self.kids: dict[int, list[int]] = {}  # node (-1: the root) -> its children
+        self.written = 0
+
+    def add_children(self, parent: int, row: list[tuple[int, float]], scale: float) -> None:
+        """Children of ``parent`` from the draft's (token, probability) pairs, likeliest first; a
+        token the draft gives no probability is left out."""
+        value = 1.0 if parent < 0 else self.values[parent]
+        depth = 1 if parent < 0 else self.depth[parent] + 1
+        for token, p in row:
+            if p <= 0.0:
+                continue
+            self.kids.setdefault(parent, []).append(len(self.tokens))
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depth.append(depth)
+            self.probs.append(p)
+            self.values.append(value * min(1.0, scale * p))
+            self.fed.append(-1)
+
+    def to_expand(self, depth: int, branches: int, size: int, room: int) -> list[int]:
+        """The nodes of level ``depth`` to expand next (marked fed, in feeding order): the
+        ``branches`` most valuable ones that could still place a child among the ``size`` best
+        nodes (a child's value is at most its parent's) and that the cache has ``room`` for."""
+        ranked = sorted(self.values, reverse=True)
+        bar = ranked[size - 1] if len(ranked) >= size else 0.0
+        frontier = sorted((n for n, d in enumerate(self.depth) if d == depth), key=lambda n: (-self.values[n], n))
+        pick = [n for n in frontier[:branches] if self.values[n] > bar][: max(0, room - self.written)]
+        for n in pick:
+            self.fed[n] = self.written
+            self.written += 1
+        return pick
+
+    def best(self, size: int) -> tuple[list[int], list[int], list[float]]:
+        """The ``size`` most valuable nodes in the order they were made (ties to the earlier node,
+        so that every kept node's parent is kept): (tokens, parents among them, values)."""
+        keep = sorted(sorted(range(len(self.tokens)), key=lambda n: (-self.values[n], n))[:size])
+        index = {n: j for j, n in enumerate(keep)}
+        return ([self.tokens[n] for n in keep], [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in keep],
+                [self.values[n] for n in keep])
+
+    def walk(self, tokens: list[int], accepted: int) -> list[int]:
+        """The nodes of the accepted path: the first ``accepted`` of ``tokens``, child by child
+        (siblings hold distinct tokens: each is one of its parent's likeliest)."""
+        path, node = [], -1
+        for token in tokens[:accepted]:
+            node = next(c for c in self.kids.get(node, []) if self.tokens[c] == token)
+            path.append(node)
+        return path
+
+
+class EdgeCalibration:
+    """How far the draft's confidence in a child is the chance that the target takes it: at each
+    row a greedy verification visited (the root, then each accepted node) the target's own token
+    is known (the accepted tokens, then the bonus), so the children the draft made there are
+    checked whether or not a planner trimmed them. ``scale`` = decayed hits / decayed summed
+    probabilities, which a node's value multiplies each edge by (EAGLE-2 finds the draft's
+    confidence close to the acceptance rate; this keeps it so for a weaker draft)."""
+
+    def __init__(self, decay: float = 0.98, prior: float = 2.0):
+        self.hits = self.expected = prior
+        self.decay = decay
+
+    @property
+    def scale(self) -> float:
+        return self.hits / self.expected
+
+    def record(self, tree: DraftTreeState, path: list[int], tokens: list[int]) -> None:
+        for row, chosen in zip([-1] + path, tokens):
+            kids = tree.kids.get(row, [])
+            if row >= 0 and tree.fed[row] < 0:
+                break  # a leaf the draft never expanded: no children there
+            self.hits = self.decay * self.hits + sum(1.0 for c in kids if tree.tokens[c] == chosen)
+            self.expected = self.decay * self.expected + sum(tree.probs[c] for c in kids)
+
+
+def tree_pass(model: Decoder, kv: KVCache, slots: list[int], trees: list[DraftTreeState],
+              nodes: list[list[int]]) -> torch.Tensor:
+    """One draft pass over the next level of each tree: ``nodes[i]`` (just marked fed, so at
+    ``base + fed``) each over the sequence's committed tokens, its ancestors (written by earlier
+    passes: hidden keys, models/decoder.py's AttentionMetadata) and itself -> logits [rows, N]."""
+    tokens, positions, masks, contexts = [], [], [], []
+    for t, level in zip(trees, nodes):
+        before = t.written - len(level)  # the tree's keys already in the cache
+        mask = torch.zeros(len(level), before + len(level), dtype=torch.bool)
+        for r, n in enumerate(level):
+            a = t.parents[n]
+            while a >= 0:
+                mask[r, t.fed[a]] = True
+                a = t.parents[a]
+            mask[r, before + r] = True
+            tokens.append(t.tokens[n])
+            positions.append(t.base + t.depth[n] - 1)
+        masks.append(mask)
+        contexts.append(t.base + before)
+    meta = AttentionMetadata(list(slots), contexts, [len(level) for level in nodes], masks)
+    device = model.device
+    hidden = model.forward(torch.tensor(tokens, dtype=torch.long, device=device),
+                           torch.tensor(positions, dtype=torch.long, device=device), kv, meta)
+    return model.logits(hidden)
+
+
+def merged_proposal(chains: DraftProposal, trees: dict[int, tuple[list[int], list[int], list[float]]],
+                    batch: int) -> DraftProposal:
+    """One proposal: sequence i's tree where ``trees`` has it (tokens, parents, values), else its
+    chain from ``chains``. Trees are drafted for greedy requests only, whose verification never
+    reads q: where the chains carry q, a tree node's row is its token's point mass."""
+    flat, counts, parents, values, probs, at = [], [], [], [], [], 0
+    for i in range(batch):
+        k = chains.num_tokens[i]
+        if i in trees:
+            tokens, tree, value = trees[i]
+            flat += tokens
+            parents.append(tree)
+            values.append(value)
+            if chains.probs is not None:
+                probs.append(torch.nn.functional.one_hot(torch.tensor(tokens), chains.probs.shape[1]).to(chains.probs))
+        else:
+            flat += chains.token_ids[at : at + k].tolist()
+            parents.append(None)
+            values.append(None)
+            if chains.probs is not None:
+                probs.append(chains.probs[at : at + k])
+        counts.append(len(flat) - sum(counts))
+        at += k
+    return DraftProposal(torch.tensor(flat, dtype=torch.long), counts, torch.cat(probs) if probs else None,
+                         parents, values)
 
 
 def load_draft(spec, ctx, check_vocabulary: bool):

@@ -104,6 +104,23 @@ def test_int8_draft_changes_only_the_speed(target, plain):
     assert llm.engine.stats.acceptance_rate > 0.5
 
 
+def test_draft_model_trees_equal_plain(target, plain):
+    """Token trees from a draft that disagrees at times (int8, or Q4_0 blocks on the GGUF target),
+    grown a level a draft pass: the accepted path's draft keys moved into place, the target's
+    tree verified in one pass."""
+    dtype, model = target
+    stored = isinstance(model.weights["model.embed_tokens.weight"], BlockWeight)
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4,
+                                         "num_branches": 3, "quantization": "q4_0" if stored else "int8",
+                                         "adaptive": False}, dtype=dtype)
+    trees = []
+    propose = llm.engine.runner.proposer.propose
+    llm.engine.runner.proposer.propose = lambda seqs, k: trees.append(p := propose(seqs, k)) or p
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    assert any(t is not None and len(set(t)) < len(t) for p in trees for t in (p.parents or []))
+    assert llm.engine.stats.num_accepted_tokens > 0
+
+
 def test_batched_equals_alone(target, plain):
     dtype, model = target
     llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, dtype=dtype)

@@ -77,3 +77,35 @@ def test_a_chain_given_as_a_tree_is_the_chain_kernel():
     path = torch.cat([torch.arange(j + 1) for j in range(5)])
     assert torch.equal(tree_attention()(q, keys, values, 30, start, path, 0.2),
                        chain_attention()(q, keys, values, 30, 0.2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_grown_a_level_a_pass_equals_the_tree_in_one_pass(dtype):
+    """A draft grows its tree a level a pass: each pass's rows see the nodes earlier passes wrote
+    (hidden keys, through their paths only) and get the bits of the tree scored in one pass."""
+    config = tiny_config(hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=3)
+    model = Decoder(config, random_weights(config, seed=3, dtype=dtype))
+    kv = KVCache(config, num_slots=2, max_len=64, dtype=dtype)
+    g = torch.Generator().manual_seed(4)
+    context = torch.randint(0, config.vocab_size, (19,), generator=g)
+    for slot in (0, 1):
+        meta = AttentionMetadata.chain([slot], [0], [len(context)])
+        model.forward(context, meta.positions("cpu"), kv, meta)
+    ctx = len(context)
+    tokens = torch.randint(0, config.vocab_size, (1 + len(PARENTS),), generator=g)  # the pending token, then the nodes
+    depth = [len(path_of(PARENTS, i)) for i in range(len(PARENTS))]
+    positions = torch.tensor([ctx] + [ctx + d for d in depth])
+    full = tree_mask(PARENTS)
+    whole = model.forward(tokens, positions, kv, AttentionMetadata([0], [ctx], [len(tokens)], [full]))
+
+    grown = []
+    levels = [[0] + [1 + i for i, d in enumerate(depth) if d == 1]] + [
+        [1 + i for i, d in enumerate(depth) if d == level] for level in range(2, max(depth) + 1)]
+    written = 0
+    for rows in levels:  # rows of the one-pass tree, in order, each level after the ones before it
+        mask = full[rows][:, : written + len(rows)]
+        meta = AttentionMetadata([1], [ctx + written], [len(rows)], [mask])
+        grown.append(model.forward(tokens[rows], positions[rows], kv, meta))
+        written += len(rows)
+    assert [r for level in levels for r in level] == list(range(len(tokens)))
+    assert torch.equal(torch.cat(grown), whole)

@@ -85,13 +85,16 @@ void chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float
               [](int64_t, int64_t i) { return i; });
 }
 
-// a tree: row j over keys 0..ctx-1, then ctx + path[start[j]] .. ctx + path[start[j + 1] - 1]
-// (its new tokens' ancestors and itself, root first)
+// a tree: row j over keys 0..base-1, then base + path[start[j]] .. base + path[start[j + 1] - 1]
+// (its ancestors among the tree's keys past base and itself, root first); the new rows' own keys
+// are at ctx = base + hidden, after the hidden nodes an earlier pass wrote (a draft that grows its
+// tree a level a pass)
 template <typename T>
 void tree(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
-          int64_t d, int64_t ctx, const int64_t* start, const int64_t* path, float scale) {
-  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return ctx + start[j + 1] - start[j]; },
-              [=](int64_t j, int64_t i) { return i < ctx ? i : ctx + path[start[j] + i - ctx]; });
+          int64_t d, int64_t ctx, int64_t hidden, const int64_t* start, const int64_t* path, float scale) {
+  const int64_t base = ctx - hidden;
+  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return base + start[j + 1] - start[j]; },
+              [=](int64_t j, int64_t i) { return i < base ? i : base + path[start[j] + i - base]; });
 }
 
 }  // namespace
@@ -135,10 +138,12 @@ torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   });
 }
 
-// q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d]; the new tokens form a tree whose row j
-// attends over keys 0..ctx-1 and then ctx + path[start[j]..start[j + 1]) (start [m + 1], path: each
-// row's ancestors among the new tokens and itself, in order) -> [m, H * d] float32, each row with
-// the bits attend_chain gives the same history laid out as a chain
+// q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d]; the new tokens (keys ctx..ctx+m-1) form a
+// tree whose row j attends over keys 0..base-1 and then base + path[start[j]..start[j + 1]) (start
+// [m + 1], path: each row's ancestors in the tree and itself, in order), where base = ctx - hidden:
+// the hidden keys base..ctx-1 are tree nodes an earlier pass wrote, seen only through paths (0
+// where the tree is all new; row 0's path ends at itself, hidden + 0, which gives hidden)
+// -> [m, H * d] float32, each row with the bits attend_chain gives the same history laid out as a chain
 torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
                           torch::Tensor path, double scale) {
   const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
@@ -147,13 +152,16 @@ torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor val
   auto st = start.contiguous(), pt = path.contiguous();
   const int64_t* s = st.data_ptr<int64_t>();
   const int64_t* a = pt.data_ptr<int64_t>();
-  TORCH_CHECK(s[0] == 0 && s[m] == path.size(0), "start runs from 0 to path's length");
+  TORCH_CHECK(s[0] == 0 && s[m] == path.size(0) && m > 0, "start runs from 0 to path's length");
+  // row 0's path ends at its own key, after the hidden nodes of earlier passes
+  const int64_t hidden = s[1] > s[0] ? a[s[1] - 1] : -1;
+  TORCH_CHECK(hidden >= 0 && hidden <= ctx, "row 0's path ends at itself, at most ctx tokens past the shared context");
   for (int64_t j = 0; j < m; ++j) {
-    TORCH_CHECK(s[j + 1] > s[j] && s[j + 1] - s[j] <= m, "row ", j, " attends to 1 to m new tokens");
-    for (int64_t i = s[j]; i < s[j + 1]; ++i) TORCH_CHECK(a[i] >= 0 && a[i] <= j, "row ", j, "'s path holds earlier rows only");
-    TORCH_CHECK(a[s[j + 1] - 1] == j, "row ", j, "'s path ends at itself");
+    TORCH_CHECK(s[j + 1] > s[j] && s[j + 1] - s[j] <= hidden + m, "row ", j, " attends to 1 to hidden + m tree tokens");
+    for (int64_t i = s[j]; i < s[j + 1]; ++i) TORCH_CHECK(a[i] >= 0 && a[i] <= hidden + j, "row ", j, "'s path holds earlier keys only");
+    TORCH_CHECK(a[s[j + 1] - 1] == hidden + j, "row ", j, "'s path ends at itself");
   }
   return with_dtype(q, keys, values, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
-    tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, s, a, static_cast<float>(scale));
+    tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, hidden, s, a, static_cast<float>(scale));
   });
 }

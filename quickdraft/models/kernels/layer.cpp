@@ -51,8 +51,8 @@ std::vector<torch::Tensor> project_all(const torch::Tensor& x, const std::vector
 // kinds: the 7 projections' (DENSE or a block format); biases: q, k, v's; kcache, vcache: this
 // layer's [slots, kv_heads, max_len, d]; sequence i's query_lens[i] rows are its new tokens at
 // positions context_lens[i].. of slot slots[i]: a causal chain, or where tree_starts[i] and
-// tree_paths[i] are given a token tree (row j sees the new tokens tree_paths[i][start[j] ..
-// start[j + 1]], attention.cpp's attend_tree) -> x after the layer
+// tree_paths[i] are given a token tree (row j sees the tree tokens tree_paths[i][start[j] ..
+// start[j + 1]], hidden nodes of earlier passes included: attention.cpp's attend_tree) -> x after the layer
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
                             std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
