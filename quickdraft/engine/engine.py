@@ -112,11 +112,16 @@ class Engine:
         return [self._postprocess(r) for r in results]
 
     def _reuse_prefixes(self) -> None:
-        """For each sequence admitted this step, in admission order: its cached prefix copied into
-        its slot where it came from another (engine/prefix_cache.py), the proposer told the same."""
+        """For each sequence admitted this step, in admission order: the proposer told of its cached
+        prefix (engine/prefix_cache.py), and as much of it as the proposer starts from copied into
+        its slot where it came from another. A prefix the proposer shortens (eagle3) is shortened
+        before a later sequence of this step copies from the slot, so it copies only keys that exist."""
         for seq, placed in self.scheduler.take_placements():
-            self.kv.copy_prefix(placed.source, placed.slot, placed.num_tokens)
-            self.proposer.reuse(seq, placed.source, placed.num_tokens)
+            n = self.proposer.reuse(seq, placed.source, placed.num_tokens)
+            self.kv.copy_prefix(placed.source, placed.slot, n)
+            if n < placed.num_tokens:
+                seq.num_cached = seq.num_reused = n
+                self.prefix_cache.shorten(placed, n)
 
     def draft_cap(self, params: SamplingParams) -> int:
         """The most draft tokens a step a request with ``params`` may take: the engine's K, or

@@ -161,8 +161,9 @@ class Eagle3Proposer:
     # skips those rows: the engine keeps prefix caching off under eagle3 (engine.py).
     reuses_prefixes = False
 
-    def reuse(self, seq, source, num_tokens) -> None:
+    def reuse(self, seq, source, num_tokens) -> int:
         self.release(seq)  # never with num_tokens > 0 (reuses_prefixes); the slot starts afresh
+        return num_tokens
 
     def release(self, seq) -> None:
         self._cached[seq.slot] = 0
