@@ -57,9 +57,7 @@ class Engine:
         # the target's pass cost by rows, timed on slot 0 before any sequence holds it
         target_cost = calibrate(self.decoder, self.kv) if spec.enabled and spec.adaptive else None
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost)
-        # a proposer that needs the target's states of every row (eagle3) cannot start from a cached prefix
-        reuse = config.enable_prefix_caching and getattr(self.proposer, "reuses_prefixes", True)
-        self.prefix_cache = PrefixCache(config.max_num_seqs, enabled=reuse)
+        self.prefix_cache = PrefixCache(config.max_num_seqs, enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_queue, self.prefix_cache)
         self.stats = SpecStats()  # the whole run's counters
         self.acceptance = Acceptance(decay=0.99)  # every sequence's drafts: the prior for a new one
