@@ -57,9 +57,7 @@ class Engine:
         # the target's pass cost by rows, timed on slot 0 before any sequence holds it
         target_cost = calibrate(self.decoder, self.kv) if spec.enabled and spec.adaptive else None
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost)
-        # a proposer that needs the target's states of every row (eagle3) cannot start from a cached prefix
-        reuse = config.enable_prefix_caching and getattr(self.proposer, "reuses_prefixes", True)
-        self.prefix_cache = PrefixCache(config.max_num_seqs, enabled=reuse)
+        self.prefix_cache = PrefixCache(config.max_num_seqs, enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_queue, self.prefix_cache)
         self.stats = SpecStats()  # the whole run's counters
         self.acceptance = Acceptance(decay=0.99)  # every sequence's drafts: the prior for a new one
@@ -112,11 +110,16 @@ class Engine:
         return [self._postprocess(r) for r in results]
 
     def _reuse_prefixes(self) -> None:
-        """For each sequence admitted this step, in admission order: its cached prefix copied into
-        its slot where it came from another (engine/prefix_cache.py), the proposer told the same."""
+        """For each sequence admitted this step, in admission order: the proposer told of its cached
+        prefix (engine/prefix_cache.py), and as much of it as the proposer starts from copied into
+        its slot where it came from another. A prefix the proposer shortens (eagle3) is shortened
+        before a later sequence of this step copies from the slot, so it copies only keys that exist."""
         for seq, placed in self.scheduler.take_placements():
-            self.kv.copy_prefix(placed.source, placed.slot, placed.num_tokens)
-            self.proposer.reuse(seq, placed.source, placed.num_tokens)
+            n = self.proposer.reuse(seq, placed.source, placed.num_tokens)
+            self.kv.copy_prefix(placed.source, placed.slot, n)
+            if n < placed.num_tokens:
+                seq.num_cached = seq.num_reused = n
+                self.prefix_cache.shorten(placed, n)
 
     def draft_cap(self, params: SamplingParams) -> int:
         """The most draft tokens a step a request with ``params`` may take: the engine's K, or

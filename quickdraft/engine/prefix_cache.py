@@ -114,6 +114,14 @@ class PrefixCache:
         self._used[slot] = self._clock
         return Placement(slot, source, n)
 
+    def shorten(self, placed: Placement, num_tokens: int) -> None:
+        """The sequence placed by ``placed`` reuses only ``num_tokens`` of its prefix (the proposer
+        needs the target's pass over the rest, Proposer.reuse): the stats count what was reused."""
+        s, lost = self.stats, placed.num_tokens - num_tokens
+        s.hits -= lost
+        s.copied -= lost if placed.source != placed.slot else 0
+        s.requests_hit -= num_tokens == 0
+
     def _choose(self, seq: "Sequence", free: list[int]) -> tuple[int, int, int]:
         """(slot, source, num_tokens). The source is the slot, free or running, holding the longest
         prefix of the prompt (a free one on ties). A free source whose held tokens are at least half

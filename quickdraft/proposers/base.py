@@ -98,11 +98,14 @@ class Proposer(Protocol):
     def catchup_rows(self, seq: "Sequence") -> int:
         """Tokens the proposer must read for this sequence before its first draft token."""
 
-    def reuse(self, seq: "Sequence", source: int, num_tokens: int) -> None:
+    def reuse(self, seq: "Sequence", source: int, num_tokens: int) -> int:
         """``seq`` was just admitted to ``seq.slot``, and its first ``num_tokens`` prompt tokens are
         those whose keys slot ``source`` holds (the prefix cache, engine/prefix_cache.py; ``source``
         is ``seq.slot`` when reused in place, and ``num_tokens`` 0 on a miss). A proposer with its
-        own KV cache keeps (or copies) what it holds of that prefix and forgets the rest of the slot."""
+        own KV cache keeps (or copies) what it holds of that prefix and forgets the rest of the slot.
+        -> the prefix the sequence starts from: ``num_tokens``, or fewer where the proposer needs
+        the target's pass over the prefix's last rows (eagle3 reads the target's states of every
+        row); the engine then reuses only that many of the target's keys."""
 
     def release(self, seq: "Sequence") -> None:
         """The sequence finished or was aborted: drop its per-sequence state (a proposer's KV

@@ -249,12 +249,13 @@ class DraftModelProposer:
         # after a draft with no rejection, or steps without drafting, the draft is behind by more than 1
         return max(len(seq) - self._cached[seq.slot] - 1, 0)
 
-    def reuse(self, seq, source, num_tokens) -> None:
+    def reuse(self, seq, source, num_tokens) -> int:
         # The source slot's draft keys cover its first _cached[source] committed tokens (clamped
         # to the committed ones by observe), of which the prompt shares num_tokens.
         held = min(self._cached[source], num_tokens)
         self.kv.copy_prefix(source, seq.slot, held)
         self._cached[seq.slot] = held
+        return num_tokens
 
     def release(self, seq) -> None:
         self._trees.pop(seq.slot, None)  # the slot's draft keys stay for reuse; _cached[slot] says how many are valid

@@ -121,7 +121,7 @@ class TextDraftProposer:
         view = self.views[seq.slot]
         return max(len(view.ids) - len(view.kv) + len(seq) - view.num_target - 1, 0)
 
-    def reuse(self, seq, source, num_tokens) -> None:
+    def reuse(self, seq, source, num_tokens) -> int:
         """Keep the source view's draft tokens whose text lies inside the first ``num_tokens``
         target tokens (the prefix both prompts share), and their keys."""
         src, view = self.views[source], self.bridge.new_view()
@@ -134,6 +134,7 @@ class TextDraftProposer:
             view.kv = view.ids[: common_prefix(src.kv, view.ids)]
             self.kv.copy_prefix(source, seq.slot, len(view.kv))
         self.views[seq.slot] = view
+        return num_tokens
 
     def release(self, seq) -> None:
         pass  # the view and its keys stay in the slot for reuse

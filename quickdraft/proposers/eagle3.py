@@ -9,7 +9,10 @@ output as the feature and its last draft token's embedding, as in the training-t
 
 The head keeps its own KV cache by slot, like the draft model: ``_cached[slot]`` pairs (positions
 0 .. cached - 1) are real; the keys a proposal's later steps write past them are overwritten by
-the next proposal. Draft tokens are sampled from the head's q under the request's parameters (the
+the next proposal. The head's rows and its waiting features together always cover the target's
+committed rows, and both stay in the slot after the sequence ends, for the prefix cache
+(engine/prefix_cache.py): a new prompt that shares a prefix keeps what of them lies inside it
+(``reuse``). Draft tokens are sampled from the head's q under the request's parameters (the
 argmax when greedy) and q goes to the verifier, so the output is the target's whatever the head.
 """
 
@@ -46,7 +49,6 @@ class Eagle3Proposer:
         self.values = torch.zeros_like(self.keys)
         self._cached = [0] * num_slots
         self._features: list[torch.Tensor | None] = [None] * num_slots  # [m, layers * H] float32
-        self._lost = [False] * num_slots  # the target's states skipped rows the head needed
 
     @classmethod
     def from_config(cls, spec, ctx) -> "Eagle3Proposer":
@@ -66,19 +68,15 @@ class Eagle3Proposer:
         for s, rows in zip(seqs, states):
             if rows is None or rows.shape[0] == 0:
                 continue
+            # positions num_cached.., where the head's rows and waiting features end (reuse starts each so)
             waiting = self._features[s.slot]
-            have = self._cached[s.slot] + (0 if waiting is None else waiting.shape[0])
-            if s.num_cached != have:  # rows the head never saw (a prefix served from a cache): it
-                self._lost[s.slot] = True  # cannot build its context, so this sequence drafts nothing
-                continue
             rows = rows.float()
             self._features[s.slot] = rows if waiting is None else torch.cat([waiting, rows])
 
     @torch.inference_mode()
     def propose(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)
-        active = [i for i, k in enumerate(num_tokens)
-                  if k > 0 and self._features[seqs[i].slot] is not None and not self._lost[seqs[i].slot]]
+        active = [i for i, k in enumerate(num_tokens) if k > 0 and self._features[seqs[i].slot] is not None]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         sampled = any(not seqs[i].params.greedy for i in active)
@@ -157,17 +155,29 @@ class Eagle3Proposer:
         f = self._features[seq.slot]
         return 0 if f is None else max(f.shape[0] - 1, 0)
 
-    # The head's context is the target's states of every row, and a prefix served from the cache
-    # skips those rows: the engine keeps prefix caching off under eagle3 (engine.py).
-    reuses_prefixes = False
-
-    def reuse(self, seq, source, num_tokens) -> None:
-        self.release(seq)  # never with num_tokens > 0 (reuses_prefixes); the slot starts afresh
+    def reuse(self, seq, source, num_tokens) -> int:
+        """Keep the source slot's head rows and waiting features that lie inside the shared prefix.
+        The head's row t reads token t + 1, so only rows t <= num_tokens - 2 are the new prompt's;
+        a waiting feature of position t reads tokens 0 .. t only, so those t < num_tokens are. Where
+        the head's rows reach into the prefix's last position (a shared system prompt, followed by
+        another text than the new prompt's), the feature that row was built from is gone: the
+        prefix is one token shorter, and the target's prompt pass computes that row's states again.
+        -> the prefix's length: the head's kept rows and features, which the target's prompt pass
+        continues (read_target)."""
+        cached, waiting = self._cached[source], self._features[source]
+        keep = min(cached, max(num_tokens - 1, 0))
+        # the waiting features continue the head's rows only where it keeps all of them
+        features = waiting[: num_tokens - cached] if cached < num_tokens and waiting is not None else None
+        if source != seq.slot:
+            self.keys[seq.slot, :keep] = self.keys[source, :keep]
+            self.values[seq.slot, :keep] = self.values[source, :keep]
+        self._cached[seq.slot], self._features[seq.slot] = keep, features
+        return keep + (0 if features is None else features.shape[0])
 
     def release(self, seq) -> None:
-        self._cached[seq.slot] = 0
-        self._features[seq.slot] = None
-        self._lost[seq.slot] = False
+        # The slot's head rows and waiting features stay for reuse (the features: the last step's
+        # rows, or a whole prompt's where the sequence ended before it drafted).
+        pass
 
     def close(self) -> None:
         pass

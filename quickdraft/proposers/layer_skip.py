@@ -321,8 +321,8 @@ class LayerSkipProposer:
     def catchup_rows(self, seq) -> int:
         return 0  # the target's cache is the draft's: nothing to catch up
 
-    def reuse(self, seq, source, num_tokens) -> None:
-        pass  # the engine copies the target's cache, which is the draft's
+    def reuse(self, seq, source, num_tokens) -> int:
+        return num_tokens  # the engine copies the target's cache, which is the draft's
 
     def release(self, seq) -> None:
         pass

@@ -69,8 +69,9 @@ class MedusaProposer:
     def catchup_rows(self, seq) -> int:
         return 0
 
-    def reuse(self, seq, source, num_tokens) -> None:
+    def reuse(self, seq, source, num_tokens) -> int:
         self.release(seq)  # the heads read only the last row's state, which the prompt pass recomputes
+        return num_tokens
 
     def release(self, seq) -> None:
         self._last[seq.slot] = None

@@ -23,8 +23,8 @@ class NoProposer:
     def catchup_rows(self, seq) -> int:
         return 0
 
-    def reuse(self, seq, source, num_tokens) -> None:
-        pass  # no KV: its state is read from the sequence's tokens
+    def reuse(self, seq, source, num_tokens) -> int:
+        return num_tokens  # no KV: its state is read from the sequence's tokens
 
     def release(self, seq) -> None:
         pass

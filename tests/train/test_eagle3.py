@@ -167,33 +167,105 @@ def test_a_missing_head_prints_the_command(tmp_path, monkeypatch):
         run({"method": "eagle3", "num_speculative_tokens": 2}, PROMPTS, [SamplingParams()])
 
 
-def test_rows_the_head_never_saw_stop_its_drafts(trained):
-    """States that start past what the head holds (a prefix served from a cache) cannot rebuild its
-    context: that sequence drafts nothing rather than drafting from misplaced features."""
-    from types import SimpleNamespace
-
-    proposer = Eagle3Proposer(trained[0], TARGET.weights, CONFIG.vocab_size, 2, 64)
-    params = SamplingParams(temperature=0)
-    late = SimpleNamespace(slot=0, num_cached=5, token_ids=list(range(12)), params=params)
-    fresh = SimpleNamespace(slot=1, num_cached=0, token_ids=list(range(9)), params=params)
-    aux = torch.zeros(8, 3 * CONFIG.hidden_size)
-    proposer.read_target([late, fresh], [None, None], [aux[:3], aux])
-    assert proposer.propose([late, fresh], [3, 3]).num_tokens == [0, 3]
+def counters(o) -> tuple:
+    s = o.spec
+    return s.num_target_passes, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_position)
 
 
-def test_the_engine_keeps_prefix_caching_off_under_eagle3(trained, greedy_params):
-    """A prefix served from the cache would skip the target's states the head needs (above), so
-    under eagle3 the engine reuses no prefix, and a repeated prompt still drafts."""
+SYSTEM = [11, 60, 3, 27, 90, 14, 8, 71, 35, 52]  # a system prompt the requests below share
+
+
+def turns(spec: dict, on: bool, spied, monkeypatch):
+    """Requests that reuse cached prefixes in each way (engine/prefix_cache.py), greedy, on an
+    engine of two slots with the prefix cache ``on`` or off: (a) a first turn; (b) its second turn,
+    the first answer included, in place; (e, f) two prompts admitted together that share only the
+    system prompt with the free slot, one copied into the empty slot and one in place; (h) one that
+    arrives while e decodes and shares e's prompt, copied from e's running slot. -> the outputs in
+    that order, the prefix stats, and each request's draft logits, in order (those the proposer
+    module ``spied`` hands to sample_rows)."""
     from quickdraft.config import EngineConfig, SpeculativeConfig
     from quickdraft.engine.engine import Engine
 
-    spec = SpeculativeConfig.parse({"method": "eagle3", "model": trained[0], "num_speculative_tokens": 3, "adaptive": False})
-    engine = Engine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=2, speculative=spec), target=TARGET)
-    assert not engine.prefix_cache.enabled
-    engine.generate_ids(PROMPTS[:1], greedy_params[:1])
-    drafted = engine.stats.num_draft_tokens
-    again = engine.generate_ids(PROMPTS[:1], greedy_params[:1])  # the same prompt: no cached prefix, drafts again
-    assert engine.stats.num_draft_tokens > drafted and again[0].num_cached_tokens == 0
+    logits: dict[str, list[torch.Tensor]] = {}
+
+    def sample_rows(seqs, rows, *args, **kwargs):
+        for s, row in zip(seqs, rows):
+            logits.setdefault(s.request_id, []).append(row.clone())
+        return drafted(seqs, rows, *args, **kwargs)
+
+    drafted = spied.sample_rows
+    spec = SpeculativeConfig.parse({"adaptive": False, "num_speculative_tokens": 3, **spec})
+    engine = Engine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=2, enable_prefix_caching=on,
+                                 speculative=spec), target=TARGET)
+    final = {}
+
+    def until(*ids):
+        while not all(i in final for i in ids):
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    with monkeypatch.context() as patch:
+        patch.setattr(spied, "sample_rows", sample_rows)
+        a = engine.add_request(SYSTEM + [5, 17, 33, 2], greedy(12))
+        until(a)
+        b = engine.add_request(SYSTEM + [5, 17, 33, 2] + final[a].token_ids + [40, 41, 42], greedy(8))
+        until(b)
+        e, f = engine.add_request(SYSTEM + [7, 7, 9], greedy(16)), engine.add_request(SYSTEM + [1, 2, 3], greedy(4))
+        until(f)
+        assert e not in final
+        h = engine.add_request(SYSTEM + [7, 7, 9, 30, 44], greedy(6))
+        until(e, h)
+    ids = [a, b, e, f, h]
+    return [final[i] for i in ids], engine.prefix_cache.stats, [logits.get(i, []) for i in ids]
+
+
+def same_with_the_cache_on_and_off(spec: dict, spied, monkeypatch):
+    """``turns`` with the cache off and on: the same tokens, the same counters and the same draft
+    logits at every step (a wrong reused head row would change the logits, though rarely the output:
+    that is lossless either way). -> the outputs with the cache on, and its stats."""
+    (off, _, off_logits), (on, stats, on_logits) = (turns(spec, c, spied, monkeypatch) for c in (False, True))
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [counters(o) for o in on] == [counters(o) for o in off]
+    for got, want in zip(on_logits, off_logits):
+        assert len(got) == len(want) > 0
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-4)
+    assert [o.num_cached_tokens for o in off] == [0] * len(off)
+    assert stats.hits == sum(o.num_cached_tokens for o in on)
+    assert stats.copied == on[2].num_cached_tokens + on[4].num_cached_tokens  # e's and h's were copied
+    assert sum(o.spec.num_accepted_tokens for o in on) > 0.3 * sum(o.spec.num_draft_tokens for o in on) > 0
+    return on, stats
+
+
+def test_prefix_caching_reuses_the_heads_cache(trained, monkeypatch):
+    """With the prefix cache on, each request reuses its prefix, and the head drafts from exactly
+    the context it has with the cache off. Where the head's rows go past the shared prefix (e, f,
+    h), the row of the prefix's last token is the target's to compute again (Eagle3Proposer.reuse)."""
+    from quickdraft.proposers import eagle3
+
+    on, _ = same_with_the_cache_on_and_off({"method": "eagle3", "model": trained[0]}, eagle3, monkeypatch)
+    a = on[0]
+    assert [o.num_cached_tokens for o in on] == [0, len(a.prompt_token_ids) + len(a.token_ids) - 1,
+                                                 len(SYSTEM) - 1, len(SYSTEM) - 1, len(SYSTEM) + 3 - 1]
+
+
+def test_a_reused_prefix_keeps_the_head_rows_and_features_inside_it(trained):
+    """The head's row t reads token t + 1: of a slot whose head holds rows 0..5 and waits with the
+    target's features of positions 6..8, a prefix of 8 tokens keeps the rows and the features of
+    6 and 7; a prefix of 4 keeps rows 0..2 only (row 3 read token 4, past it), and the prefix
+    shrinks to 3, whose row the target's prompt pass computes again; a miss keeps nothing."""
+    from types import SimpleNamespace
+
+    proposer = Eagle3Proposer(trained[0], TARGET.weights, CONFIG.vocab_size, 3, 64)
+    proposer.keys[0].normal_()
+    features = torch.randn(3, 3 * CONFIG.hidden_size)
+    proposer._cached[0], proposer._features[0] = 6, features
+    new = SimpleNamespace(slot=1)
+    assert proposer.reuse(new, 0, 8) == 8
+    assert proposer._cached[1] == 6 and torch.equal(proposer._features[1], features[:2])
+    assert torch.equal(proposer.keys[1, :6], proposer.keys[0, :6])
+    assert proposer.reuse(new, 0, 4) == 3 and proposer._cached[1] == 3 and proposer._features[1] is None
+    assert proposer.reuse(SimpleNamespace(slot=0), 0, 0) == 0 and proposer._cached[0] == 0
+    assert proposer._features[0] is None
 
 
 def test_a_head_served_from_blocks_reads_a_quarter_and_drafts_the_same(trained):

@@ -17,7 +17,7 @@ from quickdraft.models.tiny import random_weights
 from quickdraft.sampling import SamplingParams
 from quickdraft.train import medusa as trainer
 from tests.train.conftest import CONFIG, PROMPTS, TARGET, run
-from tests.train.test_eagle3 import samples
+from tests.train.test_eagle3 import SYSTEM, same_with_the_cache_on_and_off, samples
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,18 @@ def test_greedy_equals_plain_and_the_heads_draft(trained, plain, greedy_params, 
     assert [o.token_ids for o in outs] == plain
     assert len(stats.drafts_per_position) == min(k, 3)  # K is capped at the number of heads
     assert stats.accepted_per_position[0] > 0.4 * stats.drafts_per_position[0] > 0
+
+
+def test_prefix_caching_leaves_the_heads_drafts_as_they_are(trained, monkeypatch):
+    """The heads read only the last committed row's state, which the prompt pass over the uncached
+    rows computes: with the prefix cache on, every request reuses its whole shared prefix and
+    drafts exactly what it drafts with the cache off."""
+    from quickdraft.proposers import medusa
+
+    on, _ = same_with_the_cache_on_and_off({"method": "medusa", "model": trained[0]}, medusa, monkeypatch)
+    a = on[0]
+    assert [o.num_cached_tokens for o in on] == [0, len(a.prompt_token_ids) + len(a.token_ids) - 1,
+                                                 len(SYSTEM), len(SYSTEM), len(SYSTEM) + 3]
 
 
 def test_sampled_output_follows_the_target(trained):
