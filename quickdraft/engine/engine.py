@@ -189,8 +189,8 @@ class Engine:
         if seq.finish_reason != "stop" or not seq.params.stop:
             seq.text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""
         self._track_acceptance(seq, r)
-        seq.spec.record(r.num_drafts, r.num_accepted, emitted)
-        self.stats.record(r.num_drafts, r.num_accepted, emitted)
+        seq.spec.record(r.num_drafts, r.num_accepted, emitted, r.positions)
+        self.stats.record(r.num_drafts, r.num_accepted, emitted, r.positions)
         if seq.finished:
             self._release(seq)
         return seq.to_output()
@@ -198,8 +198,8 @@ class Engine:
     def _track_acceptance(self, seq: Sequence, r: StepResult) -> None:
         """The acceptance estimates and probe counter that _num_draft plans with."""
         if r.num_drafts and not r.forced:  # a grammar's forced tokens say nothing of the proposer
-            seq.acceptance.record(r.num_drafts, r.num_accepted)
-            self.acceptance.record(r.num_drafts, r.num_accepted)
+            seq.acceptance.record(r.chain_drafts, r.num_accepted)
+            self.acceptance.record(r.chain_drafts, r.num_accepted)
             seq.steps_without_drafts = 0
         else:  # a prompt pass, a step without speculation, or one where no draft was found
             seq.steps_without_drafts += 1

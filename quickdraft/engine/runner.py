@@ -74,6 +74,18 @@ class StepResult:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one for each of token_ids, where the request asked
     forced: bool = False  # the drafts were the grammar's forced tokens, not the proposer's
+    tree: tuple[int, bool] | None = None  # a token tree's depth and whether it ended in a rejection (VerifyOutput.trees)
+
+    @property
+    def positions(self) -> int:
+        """The draft positions this step filled: a chain's drafts, a tree's depth."""
+        return self.num_drafts if self.tree is None else self.tree[0]
+
+    @property
+    def chain_drafts(self) -> int:
+        """The drafts an acceptance model of chains sees: a chain's, or a tree's accepted path and
+        the rejected node it ended at (none past a leaf)."""
+        return self.num_drafts if self.tree is None else self.num_accepted + int(self.tree[1])
 
 
 class Runner:
@@ -237,18 +249,24 @@ class Runner:
         gives it the chain verifier's draws), then the accepted path's keys and values moved into
         place. Proposers make trees only where proposers/base.accepts_trees allows (no shaping, grammar or logprobs)."""
         logits = self._shaped(seqs, proposal, logits)  # the chains' rows, where a request shapes them
-        token_ids, accepted, row, at = [], [], 0, 0
+        token_ids, accepted, shapes, row, at = [], [], [], 0, 0
         for i, (s, k) in enumerate(zip(seqs, proposal.num_tokens)):
             parents = proposal.tree(i) or list(range(-1, k - 1))
             tree = DraftTree(proposal.token_ids[at : at + k], parents,
                              None if proposal.probs is None else proposal.probs[at : at + k])
             out = verify_tree(tree, logits[row : row + k + 1], s.params, uniforms[row : row + k + 1])
+            shapes.append(None)
             if proposal.tree(i) is not None:
                 self.kv.keep_path(s.slot, s.num_cached + s.num_pending, out.path)
+                depth = [0] * k
+                for n, parent in enumerate(parents):
+                    depth[n] = 1 + (depth[parent] if parent >= 0 else 0)
+                end = out.path[-1] if out.path else -1
+                shapes[-1] = (max(depth, default=0), end in parents)
             token_ids.append(out.token_ids)
             accepted.append(out.num_accepted)
             row, at = row + k + 1, at + k
-        return VerifyOutput(token_ids, accepted)
+        return VerifyOutput(token_ids, accepted, shapes)
 
     @staticmethod
     def _finite_rows(logits: torch.Tensor, num_tokens: list[int]) -> list[bool]:
@@ -277,12 +295,13 @@ class Runner:
     @staticmethod
     def _commit(seqs, proposal, outcome: VerifyOutput, ok) -> list[StepResult]:
         results = []
-        for s, k, tokens, accepted, good in zip(seqs, proposal.num_tokens, outcome.token_ids, outcome.num_accepted, ok):
+        for i, (s, k, tokens, accepted, good) in enumerate(zip(seqs, proposal.num_tokens, outcome.token_ids,
+                                                               outcome.num_accepted, ok)):
             if not good:
                 results.append(StepResult(s, [], k, 0, "the model produced non-finite logits (NaN or inf)"))
                 continue
             s.num_cached += s.num_pending + accepted
-            results.append(StepResult(s, list(tokens), k, accepted))
+            results.append(StepResult(s, list(tokens), k, accepted, tree=outcome.trees[i] if outcome.trees else None))
         return results
 
 

@@ -31,19 +31,22 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
-    drafts_per_position: list[int] = field(default_factory=list)  # [K] passes with a draft at position j
+    # [K] passes with a draft at position j (a token tree's nodes at depth j + 1 count once)
+    drafts_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)  # [K] of those, accepted
 
-    def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, num_emitted: int, positions: int | None = None) -> None:
+        """``positions``: the draft positions the step filled, a tree's depth (default: a chain's drafts)."""
+        positions = num_drafts if positions is None else positions
         self.num_target_passes += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_emitted
-        grow = num_drafts - len(self.drafts_per_position)
+        grow = positions - len(self.drafts_per_position)
         if grow > 0:
             self.drafts_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
-        for j in range(num_drafts):
+        for j in range(positions):
             self.drafts_per_position[j] += 1
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
