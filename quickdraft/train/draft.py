@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.errors import QuickdraftError
 from quickdraft.models.eagle3 import rms_norm, rotate
 from quickdraft.train.loop import fit, head_rows
 
@@ -122,7 +123,10 @@ def add_lora(module: TrainableDraft, rank: int, alpha: float, targets=LORA_TARGE
     """Wrap ``targets`` (the ``nn.Linear`` names) in LoRA adapters through ``peft``: every other weight
     is frozen, so only the adapters (2 x rank x (in + out) a matrix) get gradients and AdamW state.
     Returns the ``PeftModel``; ``module`` is changed in place."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise QuickdraftError("LoRA needs the peft package: pip install 'quickdraft[train]'") from e
 
     return get_peft_model(module, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0))
 
