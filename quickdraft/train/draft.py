@@ -1,11 +1,12 @@
 """Distilling the draft model towards the target (``quickdraft train draft``).
 
 The published recipe for a separate draft (DistillSpec, Zhou et al. 2024) is to fine-tune it on
-the target's own distribution: here a full fine-tune of every draft weight, minimising
-KL(p_target || q_draft) at every position of the windows ``quickdraft train data`` labelled (the
-target's p recomputed from the stored final hidden state over the whole vocabulary). The result is
-a Hugging Face directory (``config.json``, ``model.safetensors``, the tokenizer files) that
-``--speculative-config '{"method": "draft_model", "model": DIR}'`` loads like any draft.
+the target's own distribution: here minimising KL(p_target || q_draft) at every position of the
+windows ``quickdraft train data`` labelled (the target's p recomputed from the stored final hidden
+state over the whole vocabulary), by a full fine-tune of every draft weight or by LoRA adapters
+(Hu et al. 2022, through ``peft``) on the attention and MLP matrices, merged into them at the end.
+The result is a Hugging Face directory (``config.json``, ``model.safetensors``, the tokenizer
+files) that ``--speculative-config '{"method": "draft_model", "model": DIR}'`` loads like any draft.
 
 The training forward is a plain autograd one (torch ops, causal scaled-dot-product attention);
 the engine's decoder, which serves the result, is inference-only. tests/train/test_draft.py
