@@ -57,10 +57,12 @@ def register(sub) -> None:
                                                "$QUICKDRAFT_CACHE/heads/<target>/draft)")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--lr", type=float, default=None, help="default 2e-5 for a full fine-tune, 2e-4 for LoRA")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 for LoRA, 2e-5 for a full fine-tune")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (through peft) and "
-                                                            "merge them into the saved weights; 0: a full fine-tune")
+    # LoRA by default: at equal steps it reached a lower KL than the full fine-tune with half the
+    # training memory (docs/figures/lora/README.md)
+    p.add_argument("--lora-rank", type=int, default=16, help="train LoRA adapters of this rank (through peft) and "
+                                                             "merge them into the saved weights; 0: a full fine-tune")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (default 2 x rank)")
     p.add_argument("--lora-targets", default=None, help="the matrices LoRA adapts, comma-separated (default "
                                                          "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
@@ -176,7 +178,7 @@ def _draft(args) -> int:
     stock = load_model(args.draft, torch.float32, quantization="none")  # dense weights to train
     out = Path(args.out).expanduser() if args.out else default_dir(model, "draft")
     started = time.perf_counter()
-    lr = args.lr if args.lr is not None else (2e-4 if args.lora_rank > 0 else 2e-5)
+    lr = args.lr if args.lr is not None else (1e-3 if args.lora_rank > 0 else 2e-5)
     targets = args.lora_targets.split(",") if args.lora_targets else draft.LORA_TARGETS
     _, losses = draft.train(model, stock, windows, out, args.steps, args.batch_size, lr, args.seed,
                             mixed=args.precision == "bf16-mixed", lora_rank=args.lora_rank,
