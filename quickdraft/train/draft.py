@@ -1,11 +1,12 @@
 """Distilling the draft model towards the target (``quickdraft train draft``).
 
 The published recipe for a separate draft (DistillSpec, Zhou et al. 2024) is to fine-tune it on
-the target's own distribution: here a full fine-tune of every draft weight, minimising
-KL(p_target || q_draft) at every position of the windows ``quickdraft train data`` labelled (the
-target's p recomputed from the stored final hidden state over the whole vocabulary). The result is
-a Hugging Face directory (``config.json``, ``model.safetensors``, the tokenizer files) that
-``--speculative-config '{"method": "draft_model", "model": DIR}'`` loads like any draft.
+the target's own distribution: here minimising KL(p_target || q_draft) at every position of the
+windows ``quickdraft train data`` labelled (the target's p recomputed from the stored final hidden
+state over the whole vocabulary), by a full fine-tune of every draft weight or by LoRA adapters
+(Hu et al. 2022, through ``peft``) on the attention and MLP matrices, merged into them at the end.
+The result is a Hugging Face directory (``config.json``, ``model.safetensors``, the tokenizer
+files) that ``--speculative-config '{"method": "draft_model", "model": DIR}'`` loads like any draft.
 
 The training forward is a plain autograd one (torch ops, causal scaled-dot-product attention);
 the engine's decoder, which serves the result, is inference-only. tests/train/test_draft.py
@@ -20,47 +21,89 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.errors import QuickdraftError
 from quickdraft.models.eagle3 import rms_norm, rotate
 from quickdraft.train.loop import fit, head_rows
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _dense(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t.detach().float().clone())
+
+
+def _linear(weights: dict, name: str, bias: bool) -> torch.nn.Linear:
+    """An ``nn.Linear`` holding ``name``'s weights: peft's LoRA wraps ``nn.Linear`` modules by name."""
+    w = weights[name + ".weight"]
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias, device="meta")  # no throwaway init
+    lin.weight = _dense(w)
+    if bias:
+        lin.bias = _dense(weights[name + ".bias"])
+    return lin
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = _dense(weight)
+
+
+class _Layer(torch.nn.Module):
+    """One decoder layer's weights, laid out as Hugging Face's modules (so its state-dict keys are
+    the weight names, and ``q_proj`` ... ``down_proj`` are LoRA's target names)."""
+
+    def __init__(self, weights: dict, p: str, attention_bias: bool):
+        super().__init__()
+        self.input_layernorm = _Norm(weights[p + "input_layernorm.weight"])
+        self.post_attention_layernorm = _Norm(weights[p + "post_attention_layernorm.weight"])
+        self.self_attn = torch.nn.Module()
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self.self_attn, n, _linear(weights, p + "self_attn." + n, attention_bias and n != "o_proj"))
+        self.mlp = torch.nn.Module()
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self.mlp, n, _linear(weights, p + "mlp." + n, False))
+
 
 class TrainableDraft(torch.nn.Module):
-    """A llama / qwen2 model's weights (Hugging Face names) as parameters, with a forward."""
+    """A llama / qwen2 model's weights as float32 parameters, with a forward; its state-dict keys
+    are the Hugging Face weight names."""
 
     def __init__(self, model):
         super().__init__()
-        self.config = model.config
-        self.names = [n for n in model.config.weight_names()]
-        self.params = torch.nn.ParameterList(torch.nn.Parameter(model.weights[n].detach().float().clone())
-                                             for n in self.names)
-
-    def w(self, name: str) -> torch.Tensor:
-        return self.params[self.names.index(name)]
+        c = self.config = model.config
+        w = model.weights
+        self.model = torch.nn.Module()
+        embed = w["model.embed_tokens.weight"]
+        self.model.embed_tokens = torch.nn.Embedding(embed.shape[0], embed.shape[1], device="meta")
+        self.model.embed_tokens.weight = _dense(embed)
+        self.model.layers = torch.nn.ModuleList(_Layer(w, f"model.layers.{i}.", c.attention_bias)
+                                                for i in range(c.num_layers))
+        self.model.norm = _Norm(w["model.norm.weight"])
+        if not c.tie_word_embeddings:
+            self.lm_head = _linear(w, "lm_head", False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] float32 (a causal pass from position 0)."""
         c = self.config
         B, T = tokens.shape
-        x = self.w("model.embed_tokens.weight")[tokens]
+        x = self.model.embed_tokens(tokens)
         pos = torch.arange(T).expand(B, T)
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            h = rms_norm(x, self.w(p + "input_layernorm.weight"), c.rms_norm_eps)
-            proj = lambda n, h=h, p=p: F.linear(h, self.w(p + f"self_attn.{n}.weight"),  # noqa: E731
-                                                self.w(p + f"self_attn.{n}.bias") if c.attention_bias else None)
-            q = rotate(proj("q_proj").view(B, T, c.num_heads, c.head_dim), pos, c.rope_theta).transpose(1, 2)
-            k = rotate(proj("k_proj").view(B, T, c.num_kv_heads, c.head_dim), pos, c.rope_theta).transpose(1, 2)
-            v = proj("v_proj").view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            group = c.num_heads // c.num_kv_heads
+        group = c.num_heads // c.num_kv_heads
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            h = rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
+            q = rotate(a.q_proj(h).view(B, T, c.num_heads, c.head_dim), pos, c.rope_theta).transpose(1, 2)
+            k = rotate(a.k_proj(h).view(B, T, c.num_kv_heads, c.head_dim), pos, c.rope_theta).transpose(1, 2)
+            v = a.v_proj(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
             attn = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                                   is_causal=True)
-            x = x + F.linear(attn.transpose(1, 2).reshape(B, T, -1), self.w(p + "self_attn.o_proj.weight"))
-            h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, self.w(p + "mlp.gate_proj.weight"))) * F.linear(h, self.w(p + "mlp.up_proj.weight")),
-                             self.w(p + "mlp.down_proj.weight"))
-        x = rms_norm(x, self.w("model.norm.weight"), c.rms_norm_eps)
-        head = self.w("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
-        return F.linear(x, head).float()
+            x = x + a.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+            h = rms_norm(x, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+            x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+        x = rms_norm(x, self.model.norm.weight, c.rms_norm_eps)
+        if c.tie_word_embeddings:
+            return F.linear(x, self.model.embed_tokens.weight).float()
+        return self.lm_head(x).float()
 
 
 def kl_loss(draft: TrainableDraft, target_head: torch.Tensor, batch):
@@ -77,30 +120,57 @@ def kl_loss(draft: TrainableDraft, target_head: torch.Tensor, batch):
     return (kl * valid).sum() / valid.sum(), {"agree": float(agree)}
 
 
+def add_lora(module: TrainableDraft, rank: int, alpha: float, targets=LORA_TARGETS):
+    """Wrap ``targets`` (the ``nn.Linear`` names) in LoRA adapters through ``peft``: every other weight
+    is frozen, so only the adapters (2 x rank x (in + out) a matrix) get gradients and AdamW state.
+    Returns the ``PeftModel``; ``module`` is changed in place."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise QuickdraftError("LoRA needs the peft package: pip install 'quickdraft[train]'") from e
+
+    return get_peft_model(module, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0))
+
+
 def train(target, draft, windows, out_dir: str | Path, steps: int = 500, batch_size: int = 2, lr: float = 2e-5,
-          seed: int = 0, progress: bool = True, mixed: bool = True) -> tuple[TrainableDraft, list[float]]:
+          seed: int = 0, progress: bool = True, mixed: bool = True, lora_rank: int = 0, lora_alpha: float | None = None,
+          lora_targets=LORA_TARGETS) -> tuple[TrainableDraft, list[float]]:
     """Distill ``draft`` (a LoadedModel with dense weights) towards ``target`` on ``windows`` and
-    save it as a model directory in ``out_dir``."""
+    save it as a model directory in ``out_dir``.
+
+    ``lora_rank`` > 0 trains LoRA adapters (alpha default 2 x rank) on ``lora_targets`` instead of
+    every weight, and merges them into the weights before saving: the saved draft has the stock
+    draft's shape and runs through the engine's decoder at full speed, with no adapter math."""
     from quickdraft.proposers.draft_model import check_same_vocabulary
 
     check_same_vocabulary(target, draft)
     module = TrainableDraft(draft)
+    tuning = {"method": "full"}
+    checkpoint = Path(out_dir) / "checkpoint.pt"
+    if lora_rank > 0:
+        alpha = lora_alpha if lora_alpha is not None else 2.0 * lora_rank
+        peft_model = add_lora(module, lora_rank, alpha, lora_targets)
+        tuning = {"method": "lora", "rank": lora_rank, "alpha": alpha, "target_modules": list(lora_targets)}
+        checkpoint = checkpoint.with_name(f"checkpoint-lora{lora_rank}.pt")  # its keys are not a full run's
     target_head = head_rows(target, torch.arange(target.config.vocab_size))
     losses = fit(module, lambda b: kl_loss(module, target_head, b), windows, steps, batch_size, lr,
-                 Path(out_dir) / "checkpoint.pt", "distilling the draft", seed, progress, save_every=100,
-                 mixed=mixed)
-    save_dir(module, draft.tokenizer, out_dir)
+                 checkpoint, "distilling the draft", seed, progress, save_every=100, mixed=mixed)
+    if lora_rank > 0:
+        module = peft_model.merge_and_unload()
+    save_dir(module, draft.tokenizer, out_dir, {"distilled_from": draft.source, "target": target.source,
+                                                   "tuning": tuning})
     return module, losses
 
 
-def save_dir(module: TrainableDraft, tokenizer, out_dir: str | Path) -> Path:
-    """A Hugging Face model directory quickdraft (and transformers) load."""
+def save_dir(module: TrainableDraft, tokenizer, out_dir: str | Path, meta: dict | None = None) -> Path:
+    """A Hugging Face model directory quickdraft (and transformers) load; ``meta`` (how it was
+    trained) goes under config.json's ``quickdraft`` key, which loaders ignore."""
     from safetensors.torch import save_file
 
     c = module.config
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: p.detach().contiguous() for n, p in zip(module.names, module.params)}, str(out / "model.safetensors"))
+    save_file({n: p.detach().contiguous() for n, p in module.state_dict().items()}, str(out / "model.safetensors"))
     cfg = {"architectures": ["Qwen2ForCausalLM" if c.arch == "qwen2" else "LlamaForCausalLM"], "model_type": c.arch,
            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
@@ -108,6 +178,8 @@ def save_dir(module: TrainableDraft, tokenizer, out_dir: str | Path) -> Path:
            "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
            "attention_bias": c.attention_bias, "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids),
            "hidden_act": "silu", "torch_dtype": "float32", "_name_or_path": f"{c.name or 'draft'}-distilled"}
+    if meta is not None:
+        cfg["quickdraft"] = meta
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer._tok.save(str(out / "tokenizer.json"))

@@ -1,7 +1,10 @@
-"""Draft distillation at a tiny size: the training forward is the decoder's, KL falls, the saved
-directory loads as a draft, drafts better than before, and speculative output is plain decoding's."""
+"""Draft distillation at a tiny size, full or LoRA: the training forward is the decoder's, KL falls,
+LoRA trains only its adapters, the saved directory loads as a draft, drafts better than before,
+and speculative output is plain decoding's."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from quickdraft import LLM, SamplingParams
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import LoadedModel, load_model
-from quickdraft.train import data, draft as distill
+from quickdraft.train import data, draft as distill, loop
 
 
 @pytest.fixture
@@ -32,20 +35,49 @@ def test_the_training_forward_is_the_decoders(pair):
     torch.testing.assert_close(logits, d.logits(d.forward(tokens[0], meta.positions("cpu"), kv, meta)), rtol=1e-4, atol=1e-4)
 
 
-def test_distilled_draft_loads_and_drafts_better(pair, tmp_path):
-    target, draft = pair
+def _windows(target, n: int):
+    """The target's greedy continuations of ``n`` random 4-token prompts, labelled."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (4,), generator=g).tolist() for _ in range(16)]
-    plain = LLM(target, dtype="float32")
-    outs = plain.generate(prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True))
-    windows = data.label(target, [p + o.token_ids for p, o in zip(prompts, outs)])
-    module, losses = distill.train(target, draft, windows, tmp_path / "draft", steps=60, batch_size=4, lr=3e-3,
-                                   progress=False)
+    prompts = [torch.randint(0, 256, (4,), generator=g).tolist() for _ in range(n)]
+    outs = LLM(target, dtype="float32").generate(prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True))
+    return data.label(target, [p + o.token_ids for p, o in zip(prompts, outs)])
+
+
+def test_lora_gives_gradients_only_to_the_adapters(pair):
+    target, draft = pair
+    module = distill.TrainableDraft(draft)
+    distill.add_lora(module, rank=4, alpha=8.0)
+    batch = next(loop.batches(_windows(target, 2), 2, seed=0))
+    loss, _ = distill.kl_loss(module, loop.head_rows(target, torch.arange(target.config.vocab_size)), batch)
+    loss.backward()
+    with_grad = {n for n, p in module.named_parameters() if p.grad is not None}
+    lora = {n for n, _ in module.named_parameters() if ".lora_" in n}
+    assert with_grad == lora
+    # every targeted matrix of every layer, nothing else: (q, k, v, o, gate, up, down) x (A, B)
+    assert len(lora) == draft.config.num_layers * len(distill.LORA_TARGETS) * 2
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_distilled_draft_loads_and_drafts_better(pair, tmp_path, lora_rank):
+    target, draft = pair
+    windows = _windows(target, 16)
+    module, losses = distill.train(target, draft, windows, tmp_path / "draft", steps=60, batch_size=4,
+                                   lr=3e-3 if lora_rank == 0 else 1e-2, progress=False, lora_rank=lora_rank)
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
     tuned = load_model(str(tmp_path / "draft"), torch.float32)
     assert tuned.config.vocab_size == target.config.vocab_size
+    meta = json.loads((tmp_path / "draft" / "config.json").read_text())["quickdraft"]["tuning"]
+    if lora_rank:
+        assert meta["method"] == "lora" and meta["rank"] == lora_rank
+        # merged: the adapters are folded into the matrices they targeted, the rest is the stock draft's
+        assert set(tuned.weights) == set(draft.weights)
+        changed = {n for n, w in tuned.weights.items() if not torch.equal(w, draft.weights[n].float())}
+        assert changed and all(n.rsplit(".", 2)[-2] in distill.LORA_TARGETS for n in changed)
+    else:
+        assert meta == {"method": "full"}
     test = [[7, 99, 3], [200, 1, 50, 60]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(target, dtype="float32")
     base = [o.token_ids for o in plain.generate(test, params)]
     accepted = {}
     for name, d in (("stock", draft), ("distilled", tuned)):
