@@ -74,7 +74,7 @@ class StepResult:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one for each of token_ids, where the request asked
     forced: bool = False  # the drafts were the grammar's forced tokens, not the proposer's
-    tree: tuple[int, bool] | None = None  # a token tree's depth and whether it ended in a rejection (VerifyOutput.trees)
+    tree: tuple[int, bool, list[int]] | None = None  # a token tree's depth, whether it ended in a rejection, its path (VerifyOutput.trees)
 
     @property
     def positions(self) -> int:
@@ -180,18 +180,25 @@ class Runner:
     def _hand_states(self, seqs: list[Sequence], proposal: DraftProposal, outcome: VerifyOutput, ok) -> None:
         """For a proposer that drafts from the target's states (``reads_target``; EAGLE-3, Medusa):
         each sequence's rows that this step commits (its pending tokens and its accepted drafts,
-        positions num_cached.. in order), the final hidden state [rows, hidden] and the captured
-        layers' states [rows, layers * hidden] (None when it captures none). Chains only: such
-        proposers draft chains, and a tree's accepted path would not be contiguous rows."""
+        positions num_cached.. in order; a tree's accepted path gathered from its nodes' rows), the
+        final hidden state [rows, hidden] and the captured layers' states [rows, layers * hidden]
+        (None when it captures none)."""
         if self._states is None:
             return
         hidden, aux, query_lens = self._states
         self._states = None
         final, states, start = [], [], 0
-        for s, qlen, accepted, good in zip(seqs, query_lens, outcome.num_accepted, ok):
-            rows = s.num_pending + accepted if good else 0
-            final.append(hidden[start : start + rows])
-            states.append(None if aux is None else aux[start : start + rows])
+        for i, (s, qlen, accepted, good) in enumerate(zip(seqs, query_lens, outcome.num_accepted, ok)):
+            tree = outcome.trees[i] if outcome.trees else None
+            if not good:
+                rows = torch.zeros(0, dtype=torch.long)
+            elif tree is None:
+                rows = torch.arange(start, start + s.num_pending + accepted)
+            else:
+                rows = torch.tensor(list(range(start, start + s.num_pending)) + [start + s.num_pending + n for n in tree[2]])
+            rows = rows.to(hidden.device)
+            final.append(hidden[rows])
+            states.append(None if aux is None else aux[rows])
             start += qlen
         self.proposer.read_target(seqs, final, states)
 
@@ -262,7 +269,7 @@ class Runner:
                 for n, parent in enumerate(parents):
                     depth[n] = 1 + (depth[parent] if parent >= 0 else 0)
                 end = out.path[-1] if out.path else -1
-                shapes[-1] = (max(depth, default=0), end in parents)
+                shapes[-1] = (max(depth, default=0), end in parents, out.path)
             token_ids.append(out.token_ids)
             accepted.append(out.num_accepted)
             row, at = row + k + 1, at + k

@@ -51,7 +51,7 @@ class DraftProposal:
             nodes = list(range(k))
             value = None if self.values is None else self.values[i]
             if value is not None and self.tree(i) is not None:
-                nodes = sorted(sorted(nodes, key=lambda n: (-value[n], n))[: keep[i]])
+                nodes = most_valuable(value, keep[i])
             index = {n: j for j, n in enumerate(nodes)}
             flat += [at + n for n in nodes]
             counts.append(len(nodes))
@@ -118,6 +118,12 @@ class Proposer(Protocol):
     # attribute ``reads_target`` = the target layers whose entering states it needs (an empty
     # tuple: the final hidden state only), and ``read_target(seqs, final, states)``, called after
     # each verification, before ``observe``, with each sequence's committed rows (runner._hand_states).
+
+
+def most_valuable(values: list[float], n: int) -> list[int]:
+    """The indices of the ``n`` largest ``values``, ties to the earlier index, in index order: of a
+    tree whose nodes come after their parents and are worth no more than them, a tree again."""
+    return sorted(sorted(range(len(values)), key=lambda j: (-values[j], j))[:n])
 
 
 def accepts_trees(params) -> bool:

@@ -19,6 +19,12 @@ argmax and q are over the subset, mapped back to full ids, and q is handed on as
 distribution it is, zero outside the subset. None of them can change the output: only the
 target's verification decides.
 
+With ``num_branches`` > 1 greedy requests draft token trees instead (``_grow_trees``, EAGLE-2's
+dynamic trees, proposers/tree_drafts.py): a level a draft pass for the whole batch, each node over
+its ancestors' keys in the draft cache (the tree attention's hidden keys), and after verification
+the accepted path's keys moved into place (``KVCache.keep_path``), so the next proposal catches
+up exactly as after a chain.
+
 A draft with another tokenizer is refused here (``check_same_vocabulary``), unless the config asks
 for ``cross_tokenizer``: then ``from_config`` builds proposers/draft_text.py's proposer, which drafts
 through text.
@@ -43,6 +49,7 @@ from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
 from quickdraft.proposers.base import DraftProposal, accepts_trees, register
+from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, merged_proposal
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
 
@@ -85,9 +92,7 @@ class DraftModelProposer:
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
         """Chains, and with ``num_branches`` > 1 a token tree for each greedy request that takes
-        one (base.accepts_trees): a sampled request's tree would need its shape chosen without
-        looking at the draws it holds (verify/tree.py tests each child as drawn from q), which a
-        tree ranked by the draws' own probabilities is not."""
+        one (base.accepts_trees; why greedy only: proposers/tree_drafts.py)."""
         grow = [i for i, k in enumerate(num_tokens) if k > 0 and self.branches > 1 and seqs[i].params.greedy
                 and accepts_trees(seqs[i].params)]
         if not grow:
@@ -168,7 +173,7 @@ class DraftModelProposer:
         logits = self._forward(seqs, feeds)  # [n, N] after each sequence's last committed token
         self._observe_pass(started, seqs, feeds)
         for t, row in zip(trees, self._children(logits)):
-            t.add_children(-1, row, self.edge_scale.scale)
+            t.add_children(-1, row, self.edge_scale)
         for depth in range(1, max(budgets)):
             grow = []  # (sequence, nodes to expand)
             for i, t in enumerate(trees):
@@ -187,7 +192,7 @@ class DraftModelProposer:
             children, at = self._children(logits), 0
             for i, nodes in grow:
                 for node in nodes:
-                    trees[i].add_children(node, children[at], self.edge_scale.scale)
+                    trees[i].add_children(node, children[at], self.edge_scale)
                     at += 1
         for s, t in zip(seqs, trees):
             self._trees[s.slot] = t
@@ -264,94 +269,6 @@ class DraftModelProposer:
         pass
 
 
-class DraftTreeState:
-    """One sequence's draft tree while ``_grow_trees`` grows it, kept until ``observe``. Nodes
-    are numbered in the order they were made (a parent before its children); node n's keys are in
-    the draft cache at ``base + fed[n]`` once it has been expanded (fed to the draft)."""
-
-    def __init__(self, base: int):
-        self.base = base  # the sequence's tokens in the draft cache: the tree's first level goes at this position
-        self.tokens: list[int] = []
-        self.parents: list[int] = []  # node -> parent node, -1 for the root (the last committed token)
-        self.depth: list[int] = []  # 1 for the root's children
-        self.probs: list[float] = []  # the draft's probability of the node's token after its parent
-        self.values: list[float] = []  # the product of the calibrated probabilities on its path
-        self.fed: list[int] = []  # node -> index among the nodes written to the draft cache, or -1
-        self.kids: dict[int, list[int]] = {}  # node (-1: the root) -> its children
-        self.written = 0
-
-    def add_children(self, parent: int, row: list[tuple[int, float]], scale: float) -> None:
-        """Children of ``parent`` from the draft's (token, probability) pairs, likeliest first; a
-        token the draft gives no probability is left out."""
-        value = 1.0 if parent < 0 else self.values[parent]
-        depth = 1 if parent < 0 else self.depth[parent] + 1
-        for token, p in row:
-            if p <= 0.0:
-                continue
-            self.kids.setdefault(parent, []).append(len(self.tokens))
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.depth.append(depth)
-            self.probs.append(p)
-            self.values.append(value * min(1.0, scale * p))
-            self.fed.append(-1)
-
-    def to_expand(self, depth: int, branches: int, size: int, room: int) -> list[int]:
-        """The nodes of level ``depth`` to expand next (marked fed, in feeding order): the
-        ``branches`` most valuable ones that could still place a child among the ``size`` best
-        nodes (a child's value is at most its parent's) and that the cache has ``room`` for."""
-        ranked = sorted(self.values, reverse=True)
-        bar = ranked[size - 1] if len(ranked) >= size else 0.0
-        frontier = sorted((n for n, d in enumerate(self.depth) if d == depth), key=lambda n: (-self.values[n], n))
-        pick = [n for n in frontier[:branches] if self.values[n] > bar][: max(0, room - self.written)]
-        for n in pick:
-            self.fed[n] = self.written
-            self.written += 1
-        return pick
-
-    def best(self, size: int) -> tuple[list[int], list[int], list[float]]:
-        """The ``size`` most valuable nodes in the order they were made (ties to the earlier node,
-        so that every kept node's parent is kept): (tokens, parents among them, values)."""
-        keep = sorted(sorted(range(len(self.tokens)), key=lambda n: (-self.values[n], n))[:size])
-        index = {n: j for j, n in enumerate(keep)}
-        return ([self.tokens[n] for n in keep], [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in keep],
-                [self.values[n] for n in keep])
-
-    def walk(self, tokens: list[int], accepted: int) -> list[int]:
-        """The nodes of the accepted path: the first ``accepted`` of ``tokens``, child by child
-        (siblings hold distinct tokens: each is one of its parent's likeliest)."""
-        path, node = [], -1
-        for token in tokens[:accepted]:
-            node = next(c for c in self.kids.get(node, []) if self.tokens[c] == token)
-            path.append(node)
-        return path
-
-
-class EdgeCalibration:
-    """How far the draft's confidence in a child is the chance that the target takes it: at each
-    row a greedy verification visited (the root, then each accepted node) the target's own token
-    is known (the accepted tokens, then the bonus), so the children the draft made there are
-    checked whether or not a planner trimmed them. ``scale`` = decayed hits / decayed summed
-    probabilities, which a node's value multiplies each edge by (EAGLE-2 finds the draft's
-    confidence close to the acceptance rate; this keeps it so for a weaker draft)."""
-
-    def __init__(self, decay: float = 0.98, prior: float = 2.0):
-        self.hits = self.expected = prior
-        self.decay = decay
-
-    @property
-    def scale(self) -> float:
-        return self.hits / self.expected
-
-    def record(self, tree: DraftTreeState, path: list[int], tokens: list[int]) -> None:
-        for row, chosen in zip([-1] + path, tokens):
-            kids = tree.kids.get(row, [])
-            if row >= 0 and tree.fed[row] < 0:
-                break  # a leaf the draft never expanded: no children there
-            self.hits = self.decay * self.hits + sum(1.0 for c in kids if tree.tokens[c] == chosen)
-            self.expected = self.decay * self.expected + sum(tree.probs[c] for c in kids)
-
-
 def tree_pass(model: Decoder, kv: KVCache, slots: list[int], trees: list[DraftTreeState],
               nodes: list[list[int]]) -> torch.Tensor:
     """One draft pass over the next level of each tree: ``nodes[i]`` (just marked fed, so at
@@ -376,33 +293,6 @@ def tree_pass(model: Decoder, kv: KVCache, slots: list[int], trees: list[DraftTr
     hidden = model.forward(torch.tensor(tokens, dtype=torch.long, device=device),
                            torch.tensor(positions, dtype=torch.long, device=device), kv, meta)
     return model.logits(hidden)
-
-
-def merged_proposal(chains: DraftProposal, trees: dict[int, tuple[list[int], list[int], list[float]]],
-                    batch: int) -> DraftProposal:
-    """One proposal: sequence i's tree where ``trees`` has it (tokens, parents, values), else its
-    chain from ``chains``. Trees are drafted for greedy requests only, whose verification never
-    reads q: where the chains carry q, a tree node's row is its token's point mass."""
-    flat, counts, parents, values, probs, at = [], [], [], [], [], 0
-    for i in range(batch):
-        k = chains.num_tokens[i]
-        if i in trees:
-            tokens, tree, value = trees[i]
-            flat += tokens
-            parents.append(tree)
-            values.append(value)
-            if chains.probs is not None:
-                probs.append(torch.nn.functional.one_hot(torch.tensor(tokens), chains.probs.shape[1]).to(chains.probs))
-        else:
-            flat += chains.token_ids[at : at + k].tolist()
-            parents.append(None)
-            values.append(None)
-            if chains.probs is not None:
-                probs.append(chains.probs[at : at + k])
-        counts.append(len(flat) - sum(counts))
-        at += k
-    return DraftProposal(torch.tensor(flat, dtype=torch.long), counts, torch.cat(probs) if probs else None,
-                         parents, values)
 
 
 def load_draft(spec, ctx, check_vocabulary: bool):

@@ -18,7 +18,8 @@ from quickdraft.models.decoder import Decoder
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.proposers.base import DraftProposal
-from quickdraft.proposers.draft_model import DraftModelProposer, DraftTreeState, EdgeCalibration
+from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration
 from quickdraft.sampling import SamplingParams
 from quickdraft.verify.rejection import VerifyOutput
 
@@ -174,10 +175,17 @@ def test_trimming_keeps_a_tree():
 
 
 def test_edge_calibration_follows_what_the_target_takes():
-    tree = DraftTreeState(base=0)
     cal = EdgeCalibration(decay=0.5, prior=1.0)
     for _ in range(20):  # the draft says 0.9 for its first child; the target never takes it
-        tree = DraftTreeState(base=0)
-        tree.add_children(-1, [(1, 0.9), (2, 0.05)], cal.scale)
+        tree = DraftTreeState()
+        tree.add_children(-1, [(1, 0.9), (2, 0.05)], cal)
         cal.record(tree, [], [7])
-    assert cal.scale < 0.05
+    assert cal.scale(1) < 0.05
+    per_depth = EdgeCalibration(levels=2, decay=0.5, prior=1.0)
+    for _ in range(20):  # the first level always right, the second never
+        tree = DraftTreeState()
+        tree.add_children(-1, [(1, 0.5)], per_depth)
+        tree.fed[0] = 0
+        tree.add_children(0, [(2, 0.5)], per_depth)
+        per_depth.record(tree, [0], [1, 9])
+    assert per_depth.scale(1) > 1.5 and per_depth.scale(2) < 0.05 and per_depth.scale(5) == per_depth.scale(2)

@@ -42,6 +42,22 @@ def test_greedy_equals_plain_and_the_heads_draft(trained, plain, greedy_params, 
     assert stats.accepted_per_position[0] > 0.4 * stats.drafts_per_position[0] > 0
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_token_trees_equal_plain_and_accept_more(trained, plain, greedy_params, adaptive):
+    """Trees from the heads' top 3 at each offset: the target verifies them in one pass, the runner
+    hands over the state of the accepted path's last node (not of the tree's last row), and the
+    output stays plain decoding's. Fixed size: more tokens a pass than the chain."""
+    heads, _, _ = trained
+    chain = run({"method": "medusa", "model": heads, "num_speculative_tokens": 3}, PROMPTS, greedy_params)[1]
+    outs, stats = run({"method": "medusa", "model": heads, "num_speculative_tokens": 3, "num_branches": 3,
+                       "adaptive": adaptive}, PROMPTS, greedy_params)
+    assert [o.token_ids for o in outs] == plain
+    assert len(stats.drafts_per_position) <= 3  # positions are depths
+    if not adaptive:
+        assert stats.num_draft_tokens > chain.num_draft_tokens
+        assert stats.mean_accepted_length > chain.mean_accepted_length
+
+
 def test_prefix_caching_leaves_the_heads_drafts_as_they_are(trained, monkeypatch):
     """The heads read only the last committed row's state, which the prompt pass over the uncached
     rows computes: with the prefix cache on, every request reuses its whole shared prefix and

@@ -1,0 +1,141 @@
+"""Token trees a proposer grows from its own probabilities (the draft model's, proposers/draft_model.py;
+Medusa's heads, proposers/medusa.py), EAGLE-2's way: a node's value is the calibrated confidence in
+its whole path, the most valuable nodes of a level are expanded, and the most valuable nodes overall
+are proposed (a node's value never exceeds its parent's, so they form a tree). The runner may trim
+them further to the rows that pay (engine/cost.py, plan_tree_sizes).
+
+Greedy requests only: the tree verifier (verify/tree.py) tests each sampled child as drawn from q,
+and a tree whose shape is chosen by the probabilities of its own draws would bias that test.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.proposers.base import DraftProposal, most_valuable
+
+
+class DraftTreeState:
+    """One sequence's draft tree while a proposer grows it, kept until ``observe``. Nodes are
+    numbered in the order they were made (a parent before its children); ``fed[n]`` numbers the
+    nodes expanded, in order (a draft model's keys of node n are at ``base + fed[n]`` in its cache)."""
+
+    def __init__(self, base: int = 0):
+        self.base = base  # the sequence's tokens in the draft cache: the tree's first level goes at this position
+        self.tokens: list[int] = []
+        self.parents: list[int] = []  # node -> parent node, -1 for the root (the last committed token)
+        self.depth: list[int] = []  # 1 for the root's children
+        self.probs: list[float] = []  # the draft's probability of the node's token after its parent
+        self.values: list[float] = []  # the product of the calibrated probabilities on its path
+        self.fed: list[int] = []  # node -> index among the nodes expanded (written to a draft cache), or -1
+        self.kids: dict[int, list[int]] = {}  # node (-1: the root) -> its children
+        self.written = 0
+
+    def add_children(self, parent: int, row: list[tuple[int, float]], calibration: "EdgeCalibration") -> None:
+        """Children of ``parent`` from the draft's (token, probability) pairs, likeliest first, each
+        edge's probability scaled by ``calibration`` at its depth; a token the draft gives no
+        probability is left out."""
+        value = 1.0 if parent < 0 else self.values[parent]
+        depth = 1 if parent < 0 else self.depth[parent] + 1
+        scale = calibration.scale(depth)
+        for token, p in row:
+            if p <= 0.0:
+                continue
+            self.kids.setdefault(parent, []).append(len(self.tokens))
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depth.append(depth)
+            self.probs.append(p)
+            self.values.append(value * min(1.0, scale * p))
+            self.fed.append(-1)
+
+    def to_expand(self, depth: int, branches: int, size: int, room: int) -> list[int]:
+        """The nodes of level ``depth`` to expand next (marked fed, in feeding order): the
+        ``branches`` most valuable ones that could still place a child among the ``size`` best
+        nodes (a child's value is at most its parent's) and that the cache has ``room`` for."""
+        ranked = sorted(self.values, reverse=True)
+        bar = ranked[size - 1] if len(ranked) >= size else 0.0
+        frontier = sorted((n for n, d in enumerate(self.depth) if d == depth), key=lambda n: (-self.values[n], n))
+        pick = [n for n in frontier[:branches] if self.values[n] > bar][: max(0, room - self.written)]
+        for n in pick:
+            self.fed[n] = self.written
+            self.written += 1
+        return pick
+
+    def best(self, size: int) -> tuple[list[int], list[int], list[float]]:
+        """The ``size`` most valuable nodes in the order they were made (ties to the earlier node,
+        so that every kept node's parent is kept): (tokens, parents among them, values)."""
+        keep = most_valuable(self.values, size)
+        index = {n: j for j, n in enumerate(keep)}
+        return ([self.tokens[n] for n in keep], [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in keep],
+                [self.values[n] for n in keep])
+
+    def walk(self, tokens: list[int], accepted: int) -> list[int]:
+        """The nodes of the accepted path: the first ``accepted`` of ``tokens``, child by child
+        (siblings hold distinct tokens: each is one of its parent's likeliest)."""
+        path, node = [], -1
+        for token in tokens[:accepted]:
+            node = next(c for c in self.kids.get(node, []) if self.tokens[c] == token)
+            path.append(node)
+        return path
+
+
+class EdgeCalibration:
+    """How far the draft's confidence in a child is the chance that the target takes it: at each
+    row a greedy verification visited (the root, then each accepted node) the target's own token
+    is known (the accepted tokens, then the bonus), so the children the draft made there are
+    checked whether or not a planner trimmed them. ``scale(depth)`` = decayed hits / decayed
+    summed probabilities of the children at that depth (``levels`` > 1: one scale a depth, the
+    last for all deeper; Medusa's heads grow less sure with their offset), which a node's value
+    multiplies its edge by (EAGLE-2 finds a draft's confidence close to its acceptance rate; this
+    keeps it so for a weaker draft)."""
+
+    def __init__(self, levels: int = 1, decay: float = 0.98, prior: float = 2.0):
+        self.hits = [prior] * levels
+        self.expected = [prior] * levels
+        self.decay = decay
+
+    def _level(self, depth: int) -> int:
+        return min(depth, len(self.hits)) - 1
+
+    def scale(self, depth: int) -> float:
+        j = self._level(depth)
+        return self.hits[j] / self.expected[j]
+
+    def record(self, tree: DraftTreeState, path: list[int], tokens: list[int]) -> None:
+        for row, chosen in zip([-1] + path, tokens):
+            if row >= 0 and tree.fed[row] < 0:
+                break  # a leaf never expanded: no children there
+            kids = tree.kids.get(row, [])
+            if not kids:
+                continue
+            j = self._level(tree.depth[kids[0]])
+            self.hits[j] = self.decay * self.hits[j] + sum(1.0 for c in kids if tree.tokens[c] == chosen)
+            self.expected[j] = self.decay * self.expected[j] + sum(tree.probs[c] for c in kids)
+
+
+def merged_proposal(chains: DraftProposal, trees: dict[int, tuple[list[int], list[int], list[float]]],
+                    batch: int) -> DraftProposal:
+    """One proposal: sequence i's tree where ``trees`` has it (tokens, parents, values), else its
+    chain from ``chains``. Trees are drafted for greedy requests only, whose verification never
+    reads q: where the chains carry q, a tree node's row is its token's point mass."""
+    flat, counts, parents, values, probs, at = [], [], [], [], [], 0
+    for i in range(batch):
+        k = chains.num_tokens[i]
+        if i in trees:
+            tokens, tree, value = trees[i]
+            flat += tokens
+            parents.append(tree)
+            values.append(value)
+            if chains.probs is not None:
+                probs.append(torch.nn.functional.one_hot(torch.tensor(tokens), chains.probs.shape[1]).to(chains.probs))
+        else:
+            flat += chains.token_ids[at : at + k].tolist()
+            parents.append(None)
+            values.append(None)
+            if chains.probs is not None:
+                probs.append(chains.probs[at : at + k])
+        counts.append(len(flat) - sum(counts))
+        at += k
+    return DraftProposal(torch.tensor(flat, dtype=torch.long), counts, torch.cat(probs) if probs else None,
+                         parents, values)
