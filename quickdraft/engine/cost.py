@@ -340,6 +340,36 @@ def plan_tree_sizes(values: list[list[float] | None], target: LinearCost, rows: 
     return keep
 
 
+class TreeChoice:
+    """Whether token trees pay on this machine, measured rather than modelled: decayed tokens per
+    second of the steps that verified a grown tree against those that verified chains, each the
+    whole step's wall time (draft passes, the target's pass, verification, the trees' upkeep).
+    plan_tree_sizes prices a tree's rows; this catches what it does not price (a tree's wider draft
+    passes, the rows past the kernels' cheap range). Trees are grown while they are ahead, and
+    every ``probe``-th step tries the other shape, so that a change of text or load is seen."""
+
+    def __init__(self, probe: int = 8, decay: float = 0.9):
+        self.probe, self.decay = probe, decay
+        self.tokens = {True: 0.0, False: 0.0}
+        self.seconds = {True: 0.0, False: 0.0}
+        self.steps = 0
+
+    def rate(self, trees: bool) -> float | None:
+        return self.tokens[trees] / self.seconds[trees] if self.seconds[trees] > 0 else None
+
+    def use_trees(self) -> bool:
+        self.steps += 1
+        tree, chain = self.rate(True), self.rate(False)
+        if tree is None or chain is None:
+            return chain is not None  # try each once: chains first, then trees
+        ahead = tree >= chain
+        return ahead != (self.steps % self.probe == 0)
+
+    def record(self, trees: bool, tokens: int, seconds: float) -> None:
+        self.tokens[trees] = self.decay * self.tokens[trees] + tokens
+        self.seconds[trees] = self.decay * self.seconds[trees] + seconds
+
+
 def step_rate(ks: list[int], alphas: list[float], target: LinearCost, draft: LinearCost | None,
               contexts: list[int] | None = None) -> float:
     """Expected tokens per second of one decoding step (one pending token each) with draft

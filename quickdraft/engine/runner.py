@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.engine.cost import LinearCost, key_reads, plan_tree_sizes
+from quickdraft.engine.cost import LinearCost, TreeChoice, key_reads, plan_tree_sizes
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence, TokenLogprob
@@ -92,6 +92,8 @@ class Runner:
     def __init__(self, target: Decoder, kv: KVCache, proposer: Proposer, target_cost: LinearCost | None = None):
         self.target, self.kv, self.proposer = target, kv, proposer
         self.target_cost = target_cost  # refitted with every pass's rows and seconds (scoring to commit)
+        # a proposer that grows trees (``branching``) does so while they pay, measured (adaptive only)
+        self.trees = TreeChoice() if target_cost is not None and getattr(proposer, "branching", None) is not None else None
         self._states = None  # (hidden, aux, query_lens) of the last pass, for a proposer that reads them
 
     def step(self, seqs: list[Sequence], num_draft: list[int], forced_room: list[int] | None = None) -> list[StepResult]:
@@ -99,7 +101,9 @@ class Runner:
         proposer; forced_room [batch]: the most forced grammar tokens (none if None)."""
         forced = [s.grammar.forced(room) if s.grammar is not None else []
                   for s, room in zip(seqs, forced_room or [0] * len(seqs))]
-        started = time.perf_counter()
+        started = step_started = time.perf_counter()
+        if self.trees is not None:
+            self.proposer.branching = self.trees.use_trees()
         proposal = self._propose(seqs, [0 if f else k for f, k in zip(forced, num_draft)])
         if proposal.values is not None and self.target_cost is not None:
             proposal = self._trim_trees(seqs, proposal, time.perf_counter() - started)
@@ -130,6 +134,9 @@ class Runner:
         if timed:
             self.target_cost.observe(len(seqs) + sum(proposal.num_tokens), time.perf_counter() - started,
                                      len(seqs), keys)
+        if self.trees is not None and timed and any(proposal.num_tokens):
+            grown = proposal.parents is not None and any(p is not None for p in proposal.parents)
+            self.trees.record(grown, sum(len(r.token_ids) for r in results), time.perf_counter() - step_started)
         return results
 
     def _propose(self, seqs, num_draft) -> DraftProposal:

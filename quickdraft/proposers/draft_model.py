@@ -71,6 +71,8 @@ class DraftModelProposer:
         self.branches = num_branches
         self._trees: dict[int, DraftTreeState] = {}  # slot -> the tree proposed this step, for observe
         self.edge_scale = EdgeCalibration()
+        # trees this step (None: never; the runner turns them off while chains are measured faster)
+        self.branching: bool | None = True if num_branches > 1 else None
         self.vocab_size = draft.config.vocab_size
         self.head_ids = None if head_ids is None else head_ids.to(draft.device)
         self.threshold = confidence_threshold
@@ -93,7 +95,7 @@ class DraftModelProposer:
     def propose(self, seqs, num_tokens) -> DraftProposal:
         """Chains, and with ``num_branches`` > 1 a token tree for each greedy request that takes
         one (base.accepts_trees; why greedy only: proposers/tree_drafts.py)."""
-        grow = [i for i, k in enumerate(num_tokens) if k > 0 and self.branches > 1 and seqs[i].params.greedy
+        grow = [i for i, k in enumerate(num_tokens) if k > 0 and self.branching and seqs[i].params.greedy
                 and accepts_trees(seqs[i].params)]
         if not grow:
             return self._propose_chains(seqs, num_tokens)

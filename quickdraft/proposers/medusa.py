@@ -39,6 +39,8 @@ class MedusaProposer:
         self.branches = num_branches
         self._trees: dict[int, DraftTreeState] = {}  # slot -> the tree proposed this step, for observe
         self.edge_scale = EdgeCalibration(levels=heads.config.num_heads)
+        # trees this step (None: never; the runner turns them off while chains are measured faster)
+        self.branching: bool | None = True if num_branches > 1 else None
 
     @classmethod
     def from_config(cls, spec, ctx) -> "MedusaProposer":
@@ -65,7 +67,7 @@ class MedusaProposer:
         hidden = torch.stack([self._last[seqs[i].slot] for i in active])
         k = min(max(num_tokens[i] for i in active), k_max)
         logits = self.heads(hidden, k)  # [b, k, N]
-        grow = [r for r, i in enumerate(active) if self.branches > 1 and seqs[i].params.greedy
+        grow = [r for r, i in enumerate(active) if self.branching and seqs[i].params.greedy
                 and accepts_trees(seqs[i].params)]
         chains = [r for r in range(len(active)) if r not in grow]
         sampled = any(not seqs[active[r]].params.greedy for r in chains)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
-from quickdraft.engine.cost import LinearCost, plan_tree_sizes
+from quickdraft.engine.cost import LinearCost, TreeChoice, plan_tree_sizes
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.sequence import Sequence
 from quickdraft.errors import ConfigError
@@ -189,3 +189,25 @@ def test_edge_calibration_follows_what_the_target_takes():
         tree.add_children(0, [(2, 0.5)], per_depth)
         per_depth.record(tree, [0], [1, 9])
     assert per_depth.scale(1) > 1.5 and per_depth.scale(2) < 0.05 and per_depth.scale(5) == per_depth.scale(2)
+
+
+def test_trees_are_grown_while_they_are_measured_faster():
+    choice = TreeChoice(probe=4)
+    assert choice.use_trees() is False  # each shape once: chains first
+    choice.record(False, 10, 1.0)
+    assert choice.use_trees() is True
+    choice.record(True, 12, 1.0)  # trees ahead: grown, but for every 4th step's probe of chains
+    picks = [choice.use_trees() for _ in range(8)]
+    assert picks.count(False) == 2 and picks.count(True) == 6
+    for _ in range(30):
+        choice.record(True, 5, 1.0)  # then trees fall behind: chains, trees only as the probe
+    picks = [choice.use_trees() for _ in range(8)]
+    assert picks.count(True) == 2
+
+
+def test_the_engine_measures_trees_against_chains(plain):
+    eng = engine({"method": "draft_model", "model": NOISY, "num_speculative_tokens": 4, "num_branches": 2,
+                  "adaptive": True})
+    assert [o.token_ids for o in eng.generate_ids(PROMPTS, [GREEDY] * len(PROMPTS))] == plain
+    choice = eng.runner.trees
+    assert choice.rate(True) is not None and choice.rate(False) is not None
