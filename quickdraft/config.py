@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from quickdraft.errors import ConfigError
 
 METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa", "layer_skip")
-TREE_METHODS = ("ngram", "suffix", "draft_model", "medusa")  # those that draft token trees (num_branches > 1)
+TREE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle3")  # those that draft token trees (num_branches > 1)
 # Measured (README, "Truncated draft vocabulary"): on code, the Qwen pair's acceptance is the full
 # head's at 65536 and 32768 and drops at 16384; 65536 also holds 98% of the tokens of English docs
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
@@ -35,7 +35,7 @@ class SpeculativeConfig:
     # ngram, suffix, draft_model: token trees, verified in one pass (verify/tree.py). ngram merges
     # up to this many distinct continuations of earlier matches; suffix gives each node up to this
     # many children, best-first by path probability (both at most num_speculative_tokens nodes);
-    # draft_model and medusa grow greedy requests' trees EAGLE-2's way, this many nodes expanded a
+    # draft_model, eagle3 and medusa grow greedy requests' trees EAGLE-2's way, this many nodes expanded a
     # level and this many children each, num_speculative_tokens deep, the best num_speculative_tokens
     # x this many nodes kept, and with adaptive on, only those whose rows pay (engine/cost.py). 1: chains
     num_branches: int = 1

@@ -152,14 +152,17 @@ class Eagle3Head(nn.Module):
         """out [..., H] -> [..., N] over the draft vocabulary, float32."""
         return self.lm_head(rms_norm(out, self.norm, self.config.rms_norm_eps)).float()
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence at serving time: q [n, heads, d] at positions ctx..ctx+n-1 over keys and
-        values [ctx + n, kv_heads, d] (causal among the n) -> [n, heads * d]."""
+        values [ctx + n, kv_heads, d] (causal among the n; or ``mask`` [n, L] over keys and
+        values [L, kv_heads, d], True = may attend: a token tree's rows) -> [n, heads * d]."""
         c = self.config
         n, group = q.shape[0], c.num_heads // c.num_kv_heads
         k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
         v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        mask = torch.ones(n, ctx + n, dtype=torch.bool, device=q.device).tril(ctx)
+        if mask is None:
+            mask = torch.ones(n, ctx + n, dtype=torch.bool, device=q.device).tril(ctx)
         out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask)  # [heads, n, d]
         return out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim).to(q.dtype)
 

@@ -24,15 +24,16 @@ import torch
 
 from quickdraft.engine.cost import LinearCost, calibrate
 from quickdraft.models import eagle3 as head_file
-from quickdraft.proposers.base import DraftProposal, register
+from quickdraft.proposers.base import DraftProposal, accepts_trees, register
 from quickdraft.proposers.heads import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head
+from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, merged_proposal
 
 
 @register("eagle3")
 class Eagle3Proposer:
     def __init__(self, head: "head_file.Eagle3Head", target_weights: dict, vocab_size: int, num_slots: int,
                  max_len: int, device="cpu", quantization: str | None = None, confidence_threshold: float = 0.0,
-                 target_cost: "LinearCost | None" = None, target_bytes: int = 0):
+                 target_cost: "LinearCost | None" = None, target_bytes: int = 0, num_branches: int = 1):
         """``confidence_threshold``: a sequence stops drafting after a token the head gives less
         probability than this (draft_model's rule). ``target_cost``: the target's pass cost, which
         prices a head step by the share of the target's bytes (``target_bytes``) the head reads
@@ -49,6 +50,11 @@ class Eagle3Proposer:
         self.values = torch.zeros_like(self.keys)
         self._cached = [0] * num_slots
         self._features: list[torch.Tensor | None] = [None] * num_slots  # [m, layers * H] float32
+        self.branches = num_branches
+        # trees this step (None: never; the runner turns them off while chains are measured faster)
+        self.branching: bool | None = True if num_branches > 1 else None
+        self._trees: dict[int, DraftTreeState] = {}  # slot -> the tree proposed this step, for observe
+        self.edge_scale = EdgeCalibration()
 
     @classmethod
     def from_config(cls, spec, ctx) -> "Eagle3Proposer":
@@ -62,7 +68,7 @@ class Eagle3Proposer:
         return cls(head, ctx.target.weights, ctx.target.config.vocab_size, ctx.num_slots, ctx.max_model_len, ctx.device,
                    spec.quantization, spec.draft_confidence_threshold,
                    calibrate(ctx.decoder, ctx.kv) if timed else None,
-                   ctx.decoder.weight_bytes_per_token() if timed else 0)
+                   ctx.decoder.weight_bytes_per_token() if timed else 0, spec.num_branches)
 
     def read_target(self, seqs, final, states) -> None:
         for s, rows in zip(seqs, states):
@@ -75,6 +81,17 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, seqs, num_tokens) -> DraftProposal:
+        """Chains, and with ``num_branches`` > 1 a token tree for each greedy request that takes
+        one (base.accepts_trees; why greedy only: proposers/tree_drafts.py)."""
+        grow = [i for i, k in enumerate(num_tokens) if k > 0 and self.branching and self._features[seqs[i].slot] is not None
+                and seqs[i].params.greedy and accepts_trees(seqs[i].params)]
+        if not grow:
+            return self._propose_chains(seqs, num_tokens)
+        chains = self._propose_chains(seqs, [0 if i in grow else k for i, k in enumerate(num_tokens)])
+        trees = self._grow_trees([seqs[i] for i in grow], [num_tokens[i] for i in grow])
+        return merged_proposal(chains, dict(zip(grow, trees)), len(seqs))
+
+    def _propose_chains(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)
         active = [i for i, k in enumerate(num_tokens) if k > 0 and self._features[seqs[i].slot] is not None]
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -101,6 +118,77 @@ class Eagle3Proposer:
         flat = [t for d in drafts for t in d]
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
+
+    def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
+        """Each sequence's tree, grown as the draft model grows its own (proposers/draft_model.py's
+        ``_grow_trees``): a node is the head's pair (its parent's output as the feature, its token's
+        embedding) at its depth's position, written to the head's cache past the committed rows,
+        over which it attends with its ancestors and itself. Nothing is kept of the tree after
+        verification: the committed rows' pairs come from the target's states (read_target)."""
+        B = self.branches
+        out, *_ = self._first_step(seqs, False)  # [n, H] after each sequence's last committed token
+        trees = [DraftTreeState(self._cached[s.slot]) for s in seqs]
+        room = [self.keys.shape[1] - t.base for t in trees]
+        sizes = [max(1, k * B) for k in budgets]
+        outs = [{-1: row} for row in out]  # node -> the head's output at it
+        for t, row in zip(trees, self._children(self.head.logits(out))):
+            t.add_children(-1, row, self.edge_scale)
+        for depth in range(1, max(budgets)):
+            grow = [(i, t.to_expand(depth, B, sizes[i], room[i]) if depth < budgets[i] else []) for i, t in enumerate(trees)]
+            grow = [(i, nodes) for i, nodes in grow if nodes]
+            if not grow:
+                break
+            started = time.perf_counter()
+            rows = self._tree_layer([(seqs[i], trees[i], nodes, outs[i]) for i, nodes in grow])
+            if self.cost is not None:
+                self.cost.observe(rows.shape[0], time.perf_counter() - started, len(grow))
+            children, at = self._children(self.head.logits(rows)), 0
+            for i, nodes in grow:
+                for n in nodes:
+                    outs[i][n] = rows[at]
+                    trees[i].add_children(n, children[at], self.edge_scale)
+                    at += 1
+        for s, t in zip(seqs, trees):
+            self._trees[s.slot] = t
+        return [t.best(n) for t, n in zip(trees, sizes)]
+
+    def _children(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
+        """logits [n, N] over the head's rows -> each row's B likeliest full-vocabulary ids, with
+        the head's probability of each (temperature 1), likeliest first."""
+        probs, rows = torch.softmax(logits.float(), dim=-1).topk(self.branches, dim=-1)
+        ids = rows if self.head_ids is None else self.head_ids[rows.to(self.head_ids.device)]
+        return [list(zip(r, p)) for r, p in zip(ids.tolist(), probs.tolist())]
+
+    def _tree_layer(self, levels) -> torch.Tensor:
+        """One head pass over the next level of each tree: ``levels`` [(seq, tree, nodes just
+        marked fed, outputs by node)] -> the head's outputs [rows, H], in order."""
+        device = self.keys.device
+        feats, toks, pos = [], [], []
+        for _, t, nodes, outs in levels:
+            for n in nodes:
+                feats.append(outs[t.parents[n]])
+                toks.append(t.tokens[n])
+                pos.append(t.base - 1 + t.depth[n])
+        emb = embed_rows(self.weights, torch.tensor(toks, dtype=torch.long)).to(device)
+        q, k, v, residual = self.head.project(emb, torch.stack(feats), torch.tensor(pos, device=device))
+        attn, start = [], 0
+        for s, t, nodes, _ in levels:
+            m, before = len(nodes), t.written - len(nodes)
+            at = t.base + before  # where this level's keys go
+            self.keys[s.slot, at : at + m] = k[start : start + m]
+            self.values[s.slot, at : at + m] = v[start : start + m]
+            mask = torch.zeros(m, at + m, dtype=torch.bool, device=device)
+            mask[:, : t.base] = True  # the committed rows
+            for r, n in enumerate(nodes):
+                a = t.parents[n]
+                while a >= 0:
+                    mask[r, t.base + t.fed[a]] = True
+                    a = t.parents[a]
+                mask[r, at + r] = True
+            attn.append(self.head.attend(q[start : start + m], self.keys[s.slot, : at + m],
+                                         self.values[s.slot, : at + m], at, mask))
+            start += m
+        return self.head.finish(torch.cat(attn), residual)
 
     def _first_step(self, seqs, sampled):
         """Feed each sequence's waiting pairs; -> the last row's output [b, H], draft ids [b], q,
@@ -149,7 +237,11 @@ class Eagle3Proposer:
         return self.head.finish(torch.cat(attn), residual)
 
     def observe(self, seqs, outcome) -> None:
-        pass  # the committed rows' states arrive through read_target
+        # the committed rows' states arrive through read_target; a tree's path calibrates the head
+        for s, accepted, tokens in zip(seqs, outcome.num_accepted, outcome.token_ids):
+            tree = self._trees.pop(s.slot, None)
+            if tree is not None:
+                self.edge_scale.record(tree, tree.walk(list(tokens), accepted), list(tokens))
 
     def catchup_rows(self, seq) -> int:
         f = self._features[seq.slot]

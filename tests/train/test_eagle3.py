@@ -71,6 +71,44 @@ def test_greedy_equals_plain_and_the_head_drafts(trained, plain, greedy_params, 
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_token_trees_equal_plain_and_accept_more(trained, plain, greedy_params, adaptive):
+    """Trees grown a level a head pass, each node over the committed rows, its ancestors and
+    itself in the head's cache; the runner hands over the target's states along the accepted path.
+    Fixed size: more tokens a pass than the chain."""
+    head, _, _ = trained
+    chain = run({"method": "eagle3", "model": head, "num_speculative_tokens": 3}, PROMPTS, greedy_params)[1]
+    outs, stats = run({"method": "eagle3", "model": head, "num_speculative_tokens": 3, "num_branches": 3,
+                       "adaptive": adaptive}, PROMPTS, greedy_params)
+    assert [o.token_ids for o in outs] == plain
+    assert len(stats.drafts_per_position) <= 3  # positions are depths
+    if not adaptive:
+        assert stats.num_draft_tokens > chain.num_draft_tokens
+        assert stats.mean_accepted_length > chain.mean_accepted_length
+
+
+def test_one_branch_is_the_chain(trained, greedy_params):
+    """A tree of one branch is the chain, token for token (its rows' masks are the chain's)."""
+    from quickdraft.config import EngineConfig, SpeculativeConfig
+    from quickdraft.engine.engine import Engine
+
+    head, _, _ = trained
+    spec = SpeculativeConfig.parse({"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False,
+                                    "draft_confidence_threshold": 0.0})  # trees have no confidence stop
+    drafts = {}
+    for tree in (False, True):
+        engine = Engine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=4, speculative=spec), target=TARGET)
+        proposer, seen = engine.proposer, []
+        if tree:
+            proposer.branching, proposer.branches = True, 1
+        propose = proposer.propose
+        proposer.propose = lambda seqs, k: seen.append(p := propose(seqs, k)) or p
+        engine.generate_ids(PROMPTS, greedy_params)
+        drafts[tree] = [p.token_ids.tolist() for p in seen]
+        assert tree == any(p.parents is not None for p in seen)
+    assert drafts[True] == drafts[False]
+
+
 def test_an_untrained_head_is_worse_and_still_exact(plain, greedy_params, trained):
     ids = torch.arange(64)
     head = head_file.Eagle3Head(head_file.Eagle3Config.for_target(TARGET, 64), ids)
