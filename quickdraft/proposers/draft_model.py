@@ -48,8 +48,8 @@ from quickdraft.models import registry
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
-from quickdraft.proposers.base import DraftProposal, accepts_trees, register
-from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, merged_proposal
+from quickdraft.proposers.base import DraftProposal, register
+from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, chains_and_trees, top_children, tree_requests
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
 
@@ -95,13 +95,8 @@ class DraftModelProposer:
     def propose(self, seqs, num_tokens) -> DraftProposal:
         """Chains, and with ``num_branches`` > 1 a token tree for each greedy request that takes
         one (base.accepts_trees; why greedy only: proposers/tree_drafts.py)."""
-        grow = [i for i, k in enumerate(num_tokens) if k > 0 and self.branching and seqs[i].params.greedy
-                and accepts_trees(seqs[i].params)]
-        if not grow:
-            return self._propose_chains(seqs, num_tokens)
-        chains = self._propose_chains(seqs, [0 if i in grow else k for i, k in enumerate(num_tokens)])
-        trees = self._grow_trees([seqs[i] for i in grow], [num_tokens[i] for i in grow])
-        return merged_proposal(chains, dict(zip(grow, trees)), len(seqs))
+        return chains_and_trees(seqs, num_tokens, tree_requests(seqs, num_tokens, self.branching),
+                                self._propose_chains, self._grow_trees)
 
     def _propose_chains(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)  # shortened below where the draft loses confidence
@@ -201,11 +196,7 @@ class DraftModelProposer:
         return [t.best(n) for t, n in zip(trees, sizes)]
 
     def _children(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
-        """logits [n, N] over the head's rows -> each row's ``num_branches`` likeliest tokens
-        (full-vocabulary ids) with the draft's probability of each (at temperature 1), likeliest first."""
-        probs, rows = torch.softmax(logits.float(), dim=-1).topk(self.branches, dim=-1)
-        ids = rows if self.head_ids is None else self.head_ids[rows]
-        return [list(zip(r, p)) for r, p in zip(ids.tolist(), probs.tolist())]
+        return top_children(logits, self.branches, self.head_ids)
 
     def _observe_pass(self, started: float, seqs, feeds) -> None:
         """A draft pass that fed ``feeds`` timed for the cost model (unless it read a long catch-up)."""

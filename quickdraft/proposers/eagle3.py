@@ -24,9 +24,9 @@ import torch
 
 from quickdraft.engine.cost import LinearCost, calibrate
 from quickdraft.models import eagle3 as head_file
-from quickdraft.proposers.base import DraftProposal, accepts_trees, register
+from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.heads import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head
-from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, merged_proposal
+from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, chains_and_trees, top_children, tree_requests
 
 
 @register("eagle3")
@@ -83,13 +83,9 @@ class Eagle3Proposer:
     def propose(self, seqs, num_tokens) -> DraftProposal:
         """Chains, and with ``num_branches`` > 1 a token tree for each greedy request that takes
         one (base.accepts_trees; why greedy only: proposers/tree_drafts.py)."""
-        grow = [i for i, k in enumerate(num_tokens) if k > 0 and self.branching and self._features[seqs[i].slot] is not None
-                and seqs[i].params.greedy and accepts_trees(seqs[i].params)]
-        if not grow:
-            return self._propose_chains(seqs, num_tokens)
-        chains = self._propose_chains(seqs, [0 if i in grow else k for i, k in enumerate(num_tokens)])
-        trees = self._grow_trees([seqs[i] for i in grow], [num_tokens[i] for i in grow])
-        return merged_proposal(chains, dict(zip(grow, trees)), len(seqs))
+        ready = [k if self._features[s.slot] is not None else 0 for s, k in zip(seqs, num_tokens)]
+        return chains_and_trees(seqs, num_tokens, tree_requests(seqs, ready, self.branching),
+                                self._propose_chains, self._grow_trees)
 
     def _propose_chains(self, seqs, num_tokens) -> DraftProposal:
         num_tokens = list(num_tokens)
@@ -153,11 +149,7 @@ class Eagle3Proposer:
         return [t.best(n) for t, n in zip(trees, sizes)]
 
     def _children(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
-        """logits [n, N] over the head's rows -> each row's B likeliest full-vocabulary ids, with
-        the head's probability of each (temperature 1), likeliest first."""
-        probs, rows = torch.softmax(logits.float(), dim=-1).topk(self.branches, dim=-1)
-        ids = rows if self.head_ids is None else self.head_ids[rows.to(self.head_ids.device)]
-        return [list(zip(r, p)) for r, p in zip(ids.tolist(), probs.tolist())]
+        return top_children(logits, self.branches, self.head_ids)
 
     def _tree_layer(self, levels) -> torch.Tensor:
         """One head pass over the next level of each tree: ``levels`` [(seq, tree, nodes just

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from quickdraft.models import medusa as head_file
-from quickdraft.proposers.base import DraftProposal, accepts_trees, register
+from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.heads import resolve_dir, sample_rows, serving_head
-from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, merged_proposal
+from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, merged_proposal, top_children, tree_requests
 
 
 @register("medusa")
@@ -67,8 +67,7 @@ class MedusaProposer:
         hidden = torch.stack([self._last[seqs[i].slot] for i in active])
         k = min(max(num_tokens[i] for i in active), k_max)
         logits = self.heads(hidden, k)  # [b, k, N]
-        grow = [r for r, i in enumerate(active) if self.branching and seqs[i].params.greedy
-                and accepts_trees(seqs[i].params)]
+        grow = tree_requests([seqs[i] for i in active], [num_tokens[i] for i in active], self.branching)
         chains = [r for r in range(len(active)) if r not in grow]
         sampled = any(not seqs[active[r]].params.greedy for r in chains)
         rows = [(r, j) for r in chains for j in range(min(num_tokens[active[r]], k))]  # sequence-major
@@ -87,9 +86,7 @@ class MedusaProposer:
 
     def _tree(self, seq, logits: torch.Tensor, depth: int) -> tuple[list[int], list[int], list[float]]:
         """logits [k, N] of the heads for one sequence -> its tree, ``depth`` deep (tokens, parents, values)."""
-        probs, rows = torch.softmax(logits[:depth].float(), dim=-1).topk(self.branches, dim=-1)  # [depth, B]
-        ids = rows if self.head_ids is None else self.head_ids[rows.to(self.head_ids.device)]
-        levels = [list(zip(i, p)) for i, p in zip(ids.tolist(), probs.tolist())]
+        levels = top_children(logits[:depth], self.branches, self.head_ids)  # each head's B likeliest
         size = depth * self.branches
         tree = DraftTreeState()
         tree.add_children(-1, levels[0], self.edge_scale)

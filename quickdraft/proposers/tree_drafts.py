@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from quickdraft.proposers.base import DraftProposal, most_valuable
+from quickdraft.proposers.base import DraftProposal, accepts_trees, most_valuable
 
 
 class DraftTreeState:
@@ -139,3 +139,29 @@ def merged_proposal(chains: DraftProposal, trees: dict[int, tuple[list[int], lis
         at += k
     return DraftProposal(torch.tensor(flat, dtype=torch.long), counts, torch.cat(probs) if probs else None,
                          parents, values)
+
+
+def tree_requests(seqs, num_tokens: list[int], branching: bool | None) -> list[int]:
+    """The sequences that draft a tree this step: those with drafts to make, while the proposer
+    is ``branching``, greedy and free of what needs chains (base.accepts_trees)."""
+    return [i for i, k in enumerate(num_tokens) if k > 0 and branching and seqs[i].params.greedy
+            and accepts_trees(seqs[i].params)]
+
+
+def chains_and_trees(seqs, num_tokens: list[int], grow: list[int], chains, trees) -> DraftProposal:
+    """One proposal of chains (``chains(seqs, num_tokens)``) for every sequence but those of
+    ``grow``, which get ``trees(their seqs, their budgets)``'s (tokens, parents, values)."""
+    if not grow:
+        return chains(seqs, num_tokens)
+    proposal = chains(seqs, [0 if i in grow else k for i, k in enumerate(num_tokens)])
+    grown = trees([seqs[i] for i in grow], [num_tokens[i] for i in grow])
+    return merged_proposal(proposal, dict(zip(grow, grown)), len(seqs))
+
+
+def top_children(logits: torch.Tensor, branches: int, head_ids: torch.Tensor | None) -> list[list[tuple[int, float]]]:
+    """logits [n, N] over a draft's head rows -> each row's ``branches`` likeliest tokens
+    (full-vocabulary ids through ``head_ids`` where the head is truncated) with the draft's
+    probability of each (at temperature 1), likeliest first."""
+    probs, rows = torch.softmax(logits.float(), dim=-1).topk(branches, dim=-1)
+    ids = rows if head_ids is None else head_ids[rows.to(head_ids.device)]
+    return [list(zip(r, p)) for r, p in zip(ids.tolist(), probs.tolist())]
