@@ -62,7 +62,7 @@ def md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 MAIN_HEADERS = ["variant", "dataset", "category", "n", "tok/s med", "tok/s p90", "speedup", "geomean",
-                "acc. len", "acc. rate", "TTFT s", "RSS MiB", "own MiB", "lossless"]
+                "acc. len", "acc. rate", "rows/pass", "TTFT s", "RSS MiB", "own MiB", "lossless"]
 
 
 def main_rows(rows: list[dict], categories: bool) -> list[list[str]]:
@@ -74,6 +74,7 @@ def main_rows(rows: list[dict], categories: bool) -> list[list[str]]:
                     _f(r["tokens_per_second_median"]), _f(r["tokens_per_second_p90"]),
                     _f(r["speedup"]["median"], 2, "x"), _f(r["speedup"]["geomean"], 2, "x"),
                     _f(r["mean_accepted_length"]), _pct(r["acceptance_rate"]) if r["method"] != "none" else "-",
+                    _f(1 + r["num_draft_tokens"] / r["num_target_passes"]) if r["num_target_passes"] else "-",
                     _f(r["ttft_median_s"], 3), _f(r["peak_rss_mib"], 0), _f(r["model_mib"], 0),
                     lossless_cell(r["lossless"])])
     return out
@@ -182,7 +183,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         *[x for line in headline(result) for x in (f"**{line}**", "")],
         "## Summary", "", md_table(MAIN_HEADERS, main_rows(rows, categories=False)), "",
         "Speedup: median over requests of the variant's tokens/s over `none`'s on the same request, run back to "
-        "back. acc. len: tokens per target pass (bonus token included). RSS: the process's peak resident "
+        "back. acc. len: tokens per target pass (bonus token included). rows/pass: rows each target pass verified for a request, its drafts (a tree's nodes) and one (prompt passes included). RSS: the process's peak resident "
         "memory while the variant ran (every engine of the run is loaded); own: the weights and KV caches that "
         "variant needs alone. Lossless: greedy runs compared with "
         "`none` token for token (at a divergence, the target's top-2 logit margin), or the per-position TV "
