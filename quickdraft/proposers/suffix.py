@@ -153,18 +153,24 @@ class SuffixProposer:
                    ctx.target.config.vocab_size, spec.num_branches)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
-        drafts, parents = [], []
+        """Chains, or with ``num_branches`` > 1 trees valued by their paths' empirical probability
+        (never above a parent's), which the runner may trim to the rows that pay (cost.plan_tree_sizes)."""
+        drafts, parents, values = [], [], []
         for s, k in zip(seqs, num_tokens):
             if k > 0 and self.branches > 1 and accepts_trees(s.params):
                 tree = self.draft_tree(s, k, width=self.branches)  # best-first: parents before children
                 drafts.append(tree.tokens)
-                parents.append(tree.parents if tree.parents != list(range(-1, len(tree.parents) - 1)) else None)
+                branched = tree.parents != list(range(-1, len(tree.parents) - 1))
+                parents.append(tree.parents if branched else None)
+                values.append(list(tree.probs) if branched else None)
             else:
                 drafts.append(self.draft_tree(s, k).chain() if k > 0 else [])
                 parents.append(None)
+                values.append(None)
         flat = [t for d in drafts for t in d]
+        trees = any(p is not None for p in parents)
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], None,
-                             parents if any(p is not None for p in parents) else None)
+                             parents if trees else None, values if trees else None)
 
     def draft_tree(self, seq, k: int, width: int = 1) -> DraftTree:
         """The better of the two tries' candidate trees for ``seq`` (up to ``k`` nodes), by expected

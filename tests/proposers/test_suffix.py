@@ -223,3 +223,19 @@ def test_config_reads_vllm_keys():
     spec = SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 8, '
                                    '"suffix_decoding_max_tree_depth": 32, "suffix_decoding_min_token_prob": 0.2}')
     assert (spec.method, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_min_token_prob) == ("suffix", 32, 0.2)
+
+
+def test_a_tree_is_valued_by_its_paths_probability():
+    """With branches, each node carries its path's empirical probability (never above its
+    parent's), for the runner to trim the tree to the rows that pay (cost.plan_tree_sizes)."""
+    from quickdraft.sampling import SamplingParams
+
+    prop = SuffixProposer(depth=16, min_prob=0.0, branches=3)
+    s = seq([7, 1, 2, 3, 8, 1, 2, 3, 6, 1, 2, 4, 5, 1, 2])
+    s.params = SamplingParams(temperature=0)
+    out = prop.propose([s], [4])
+    parents, values = out.tree(0), out.values[0]
+    assert parents is not None and len(set(parents)) < len(parents)  # it branches
+    assert len(values) == out.num_tokens[0]
+    assert values[0] == pytest.approx(2 / 3)  # "1 2" was followed by 3 twice, by 4 once
+    assert all(values[n] <= values[p] for n, p in enumerate(parents) if p >= 0)
