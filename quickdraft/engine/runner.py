@@ -197,13 +197,11 @@ class Runner:
         final, states, start = [], [], 0
         for i, (s, qlen, accepted, good) in enumerate(zip(seqs, query_lens, outcome.num_accepted, ok)):
             tree = outcome.trees[i] if outcome.trees else None
-            if not good:
-                rows = torch.zeros(0, dtype=torch.long)
-            elif tree is None:
-                rows = torch.arange(start, start + s.num_pending + accepted)
+            if tree is None or not good:  # a chain's committed rows are contiguous: views, no copy
+                rows = slice(start, start + (s.num_pending + accepted if good else 0))
             else:
-                rows = torch.tensor(list(range(start, start + s.num_pending)) + [start + s.num_pending + n for n in tree[2]])
-            rows = rows.to(hidden.device)
+                rows = torch.tensor(list(range(start, start + s.num_pending)) + [start + s.num_pending + n for n in tree[2]],
+                                    device=hidden.device)
             final.append(hidden[rows])
             states.append(None if aux is None else aux[rows])
             start += qlen

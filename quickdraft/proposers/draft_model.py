@@ -49,7 +49,8 @@ from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
 from quickdraft.proposers import draft_vocab
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, chains_and_trees, top_children, tree_requests
+from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
+                                              top_children, tree_requests)
 from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
 
@@ -172,11 +173,7 @@ class DraftModelProposer:
         for t, row in zip(trees, self._children(logits)):
             t.add_children(-1, row, self.edge_scale)
         for depth in range(1, max(budgets)):
-            grow = []  # (sequence, nodes to expand)
-            for i, t in enumerate(trees):
-                nodes = t.to_expand(depth, B, sizes[i], room[i]) if depth < budgets[i] else []
-                if nodes:
-                    grow.append((i, nodes))
+            grow = next_level(trees, depth, B, sizes, room, budgets)  # (sequence, nodes to expand)
             if not grow:
                 break
             started = time.perf_counter()
@@ -186,11 +183,7 @@ class DraftModelProposer:
                 rows = sum(len(nodes) for _, nodes in grow)
                 keys = sum(key_reads(trees[i].base + trees[i].written - len(nodes), len(nodes)) for i, nodes in grow)
                 self.cost.observe(rows, time.perf_counter() - started, len(grow), keys)
-            children, at = self._children(logits), 0
-            for i, nodes in grow:
-                for node in nodes:
-                    trees[i].add_children(node, children[at], self.edge_scale)
-                    at += 1
+            attach_level(trees, grow, self._children(logits), self.edge_scale)
         for s, t in zip(seqs, trees):
             self._trees[s.slot] = t
         return [t.best(n) for t, n in zip(trees, sizes)]

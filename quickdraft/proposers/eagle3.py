@@ -26,7 +26,8 @@ from quickdraft.engine.cost import LinearCost, calibrate
 from quickdraft.models import eagle3 as head_file
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.heads import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head
-from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, chains_and_trees, top_children, tree_requests
+from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
+                                              top_children, tree_requests)
 
 
 @register("eagle3")
@@ -130,20 +131,17 @@ class Eagle3Proposer:
         for t, row in zip(trees, self._children(self.head.logits(out))):
             t.add_children(-1, row, self.edge_scale)
         for depth in range(1, max(budgets)):
-            grow = [(i, t.to_expand(depth, B, sizes[i], room[i]) if depth < budgets[i] else []) for i, t in enumerate(trees)]
-            grow = [(i, nodes) for i, nodes in grow if nodes]
+            grow = next_level(trees, depth, B, sizes, room, budgets)
             if not grow:
                 break
             started = time.perf_counter()
             rows = self._tree_layer([(seqs[i], trees[i], nodes, outs[i]) for i, nodes in grow])
             if self.cost is not None:
                 self.cost.observe(rows.shape[0], time.perf_counter() - started, len(grow))
-            children, at = self._children(self.head.logits(rows)), 0
-            for i, nodes in grow:
-                for n in nodes:
-                    outs[i][n] = rows[at]
-                    trees[i].add_children(n, children[at], self.edge_scale)
-                    at += 1
+            expanded = [(i, n) for i, nodes in grow for n in nodes]
+            for (i, n), row in zip(expanded, rows):
+                outs[i][n] = row
+            attach_level(trees, grow, self._children(self.head.logits(rows)), self.edge_scale)
         for s, t in zip(seqs, trees):
             self._trees[s.slot] = t
         return [t.best(n) for t, n in zip(trees, sizes)]

@@ -80,6 +80,26 @@ class DraftTreeState:
         return path
 
 
+def next_level(trees: list[DraftTreeState], depth: int, branches: int, sizes: list[int], rooms: list[int],
+               budgets: list[int]) -> list[tuple[int, list[int]]]:
+    """(tree index, its nodes of level ``depth`` to expand, marked fed) for each tree that grows
+    a level more: below its planned depth ``budgets[i]``, and with a node that could still place a
+    child among its ``sizes[i]`` best (DraftTreeState.to_expand)."""
+    grow = [(i, t.to_expand(depth, branches, sizes[i], rooms[i]) if depth < budgets[i] else [])
+            for i, t in enumerate(trees)]
+    return [(i, nodes) for i, nodes in grow if nodes]
+
+
+def attach_level(trees: list[DraftTreeState], grow: list[tuple[int, list[int]]],
+                 children: list[list[tuple[int, float]]], calibration: "EdgeCalibration") -> None:
+    """Each expanded node's children (``children``: one row of (token, probability) pairs per node
+    of ``grow``, in its order) added to its tree."""
+    rows = iter(children)
+    for i, nodes in grow:
+        for node in nodes:
+            trees[i].add_children(node, next(rows), calibration)
+
+
 class EdgeCalibration:
     """How far the draft's confidence in a child is the chance that the target takes it: at each
     row a greedy verification visited (the root, then each accepted node) the target's own token
