@@ -20,7 +20,7 @@ from quickdraft.train import data, draft as distill, loop
 def pair(tiny_hf_dir):
     target = load_model(str(tiny_hf_dir[0]), torch.float32)
     g = torch.Generator().manual_seed(3)
-    noisy = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
+    noisy = {k: v + 0.2 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
              for k, v in target.weights.items()}
     return target, LoadedModel(target.config, noisy, target.tokenizer, "noisy-draft")
 
@@ -35,10 +35,14 @@ def test_the_training_forward_is_the_decoders(pair):
     torch.testing.assert_close(logits, d.logits(d.forward(tokens[0], meta.positions("cpu"), kv, meta)), rtol=1e-4, atol=1e-4)
 
 
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (4,), generator=g).tolist() for _ in range(n)]
+
+
 def _windows(target, n: int):
     """The target's greedy continuations of ``n`` random 4-token prompts, labelled."""
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (4,), generator=g).tolist() for _ in range(n)]
+    prompts = _prompts(n)
     outs = LLM(target, dtype="float32").generate(prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True))
     return data.label(target, [p + o.token_ids for p, o in zip(prompts, outs)])
 
@@ -61,7 +65,7 @@ def test_lora_gives_gradients_only_to_the_adapters(pair):
 def test_distilled_draft_loads_and_drafts_better(pair, tmp_path, lora_rank):
     target, draft = pair
     windows = _windows(target, 16)
-    module, losses = distill.train(target, draft, windows, tmp_path / "draft", steps=60, batch_size=4,
+    module, losses = distill.train(target, draft, windows, tmp_path / "draft", steps=150, batch_size=4,
                                    lr=3e-3 if lora_rank == 0 else 1e-2, progress=False, lora_rank=lora_rank)
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
     tuned = load_model(str(tmp_path / "draft"), torch.float32)
@@ -75,7 +79,13 @@ def test_distilled_draft_loads_and_drafts_better(pair, tmp_path, lora_rank):
         assert changed and all(n.rsplit(".", 2)[-2] in distill.LORA_TARGETS for n in changed)
     else:
         assert meta == {"method": "full"}
-    test = [[7, 99, 3], [200, 1, 50, 60]]
+    # Prompts of the training windows: a tiny random target's next token is no function a draft
+    # learns from 16 windows (held-out agreement stayed at chance, 1-3%, whatever the training), so
+    # this checks that what was trained is what drafts; generalisation is the Qwen bench's to show
+    # (README, "Trained heads"). Measured over 3 noise seeds (AMD EPYC): accepted tokens went from
+    # 8-10 (stock) to 28-32 (full) and 20-24 (LoRA); with 2 unseen prompts both stayed at 0-8, and
+    # "more than the stock draft" then failed or passed by one token.
+    test = _prompts(4)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = LLM(target, dtype="float32")
     base = [o.token_ids for o in plain.generate(test, params)]
@@ -85,4 +95,4 @@ def test_distilled_draft_loads_and_drafts_better(pair, tmp_path, lora_rank):
                                                               "num_speculative_tokens": 3, "adaptive": False})
         assert [o.token_ids for o in llm.generate(test, params)] == base
         accepted[name] = llm.engine.stats.num_accepted_tokens
-    assert accepted["distilled"] > accepted["stock"]
+    assert accepted["distilled"] > 1.5 * accepted["stock"] > 0
