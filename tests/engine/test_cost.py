@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import pytest
@@ -146,6 +147,7 @@ def test_calibration_runs_once_per_machine_and_model(monkeypatch, tmp_cache):
     calls = []
     forward = Decoder.forward
     monkeypatch.setattr(Decoder, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    monkeypatch.setattr(cost, "others_share", lambda before, after: 0.0)  # a quiet machine (next test: a busy one)
     first = cost.calibrate(Decoder(config, weights), kv)
     timed = len(calls)
     assert timed > 0 and len(list((tmp_cache / "calibration").glob("*.json"))) == 1
@@ -157,3 +159,58 @@ def test_calibration_runs_once_per_machine_and_model(monkeypatch, tmp_cache):
     deeper = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=2)
     cost.calibrate(Decoder(deeper, random_weights(deeper, seed=0)), KVCache(deeper, 1, 300, torch.float32))
     assert len(calls) > timed and len(list((tmp_cache / "calibration").glob("*.json"))) == 2
+
+
+def test_a_calibration_timed_on_a_busy_machine_is_not_cached(monkeypatch, tmp_cache):
+    """Points timed while other processes took the cores serve this process, and are not written
+    to the cache: a later process times them again (a cached slow calibration priced drafts out)."""
+    import torch
+
+    from quickdraft.engine import cost
+    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.decoder import Decoder
+    from quickdraft.models.tiny import random_weights, tiny_config
+
+    config = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
+    kv = KVCache(config, 1, 300, torch.float32)
+    calls = []
+    forward = Decoder.forward
+    monkeypatch.setattr(Decoder, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    monkeypatch.setattr(cost, "others_share", lambda before, after: 0.5)
+    cost.calibrate(Decoder(config, random_weights(config, seed=0)), kv)
+    timed = len(calls)
+    assert timed > 0 and not list((tmp_cache / "calibration").glob("*.json"))
+    monkeypatch.setattr(cost, "_CALIBRATED", {})  # a new process, on a quiet machine: timed again, and cached
+    monkeypatch.setattr(cost, "others_share", lambda before, after: cost.CONTENDED)
+    cost.calibrate(Decoder(config, random_weights(config, seed=0)), kv)
+    assert len(calls) == 2 * timed and len(list((tmp_cache / "calibration").glob("*.json"))) == 1
+
+
+def test_others_share_counts_what_this_process_did_not_use():
+    from quickdraft.engine.cost import others_share
+
+    # (machine busy s, machine total s, this process's CPU s): 4 s of 8 busy, 1 of them ours
+    assert others_share((10.0, 100.0, 2.0), (14.0, 108.0, 3.0)) == 3.0 / 8.0
+    assert others_share((10.0, 100.0, 2.0), (11.0, 108.0, 3.0)) == 0.0  # all ours
+    assert others_share((10.0, 100.0, 2.0), (10.2, 100.5, 2.1)) is None  # too short to tell
+    assert others_share(None, (10.2, 100.5, 2.1)) is None  # no /proc/stat
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+def test_others_share_sees_a_busy_process():
+    """A child spinning on one CPU shows as others' share (at least half a CPU's worth)."""
+    import subprocess
+    import sys
+    import time
+
+    from quickdraft.engine.cost import _cpu_sample, others_share
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        time.sleep(0.2)  # the child's start-up
+        before = _cpu_sample()
+        time.sleep(1.0)
+        share = others_share(before, _cpu_sample())
+    finally:
+        child.wait()
+    assert share is not None and share > 0.5 / os.cpu_count()
