@@ -82,7 +82,9 @@ def fit(module: torch.nn.Module, loss_fn: Callable, windows: list[Window], steps
     start, losses = 0, []
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
-        module.load_state_dict(state["module"])
+        missing, unexpected = module.load_state_dict(state["module"], strict=False)
+        if unexpected or set(missing) & _trained(module):
+            raise ValueError(f"{checkpoint} is not a checkpoint of this module: delete it to start again")
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         start, losses = state["step"], state["losses"]
@@ -102,11 +104,19 @@ def fit(module: torch.nn.Module, loss_fn: Callable, windows: list[Window], steps
         bar.set_postfix(loss=f"{losses[-1]:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()}, refresh=False)
         bar.update(1)
         if checkpoint is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
-            _save(checkpoint, {"module": module.state_dict(), "optimizer": opt.state_dict(),
+            trained = _trained(module)  # frozen weights (LoRA's base) come back from where they were loaded
+            _save(checkpoint, {"module": {n: t for n, t in module.state_dict().items() if n in trained},
+                               "optimizer": opt.state_dict(),
                                "scheduler": sched.state_dict(), "step": step + 1, "losses": losses})
     bar.close()
     module.eval()
     return losses
+
+
+def _trained(module: torch.nn.Module) -> set[str]:
+    """The state-dict names of the parameters that train, and of every buffer. A LoRA run's
+    checkpoint then holds its adapters, not the 0.5B draft's frozen 2 GB of float32 as well."""
+    return {n for n, p in module.named_parameters() if p.requires_grad} | {n for n, _ in module.named_buffers()}
 
 
 def _save(path: Path, state: dict) -> None:

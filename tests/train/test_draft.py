@@ -96,3 +96,27 @@ def test_distilled_draft_loads_and_drafts_better(pair, tmp_path, lora_rank):
         assert [o.token_ids for o in llm.generate(test, params)] == base
         accepted[name] = llm.engine.stats.num_accepted_tokens
     assert accepted["distilled"] > 1.5 * accepted["stock"] > 0
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes(pair, tmp_path):
+    """The checkpoint keeps what trains (the adapters), not the frozen draft; a rerun of the same
+    run loads it back over a fresh copy of the stock draft and has nothing left to do."""
+    target, draft = pair
+    windows = _windows(target, 4)
+    head = loop.head_rows(target, torch.arange(target.config.vocab_size))
+    checkpoint = tmp_path / "checkpoint.pt"
+
+    def run():
+        module = distill.TrainableDraft(draft)
+        distill.add_lora(module, rank=4, alpha=8.0)
+        losses = loop.fit(module, lambda b: distill.kl_loss(module, head, b), windows, 6, 2, 1e-2, checkpoint,
+                          "test", progress=False)
+        return module, losses
+
+    first, losses = run()
+    saved = torch.load(checkpoint, weights_only=False)["module"]
+    assert saved and all(".lora_" in n for n in saved)
+    again, resumed = run()
+    assert resumed == losses
+    for (n, a), b in zip(first.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), n
