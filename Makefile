@@ -81,13 +81,15 @@ bench-quick: $(VENV)/.qwen
 # The Qwen 1.5B's EAGLE-3 and Medusa heads and distilled 0.5B draft, trained on this machine (README,
 # "Trained heads"): 150k tokens of the installed packages' sources labelled by the target (19 min
 # here, 130 tokens/s on the 2 cores of the AMD EPYC), then each head (EAGLE-3: 450 steps of two
-# 512-token windows, bf16-mixed, 5.8 s a step when alone: 44 min). Weights go to $QUICKDRAFT_CACHE/heads/,
-# never into the repository; rerun to resume after an interruption.
+# 512-token windows, bf16-mixed, 5.8 s a step when alone: 44 min), and the 0.5B draft distilled with
+# LoRA (15-35 s a step of two windows here, so 100 steps take 25-60 min; its peak RSS was 15 GB, the
+# KL over the whole 151936-token vocabulary at every position). Weights go to
+# $QUICKDRAFT_CACHE/heads/, never into the repository; rerun to resume after an interruption.
 TRAIN_DATA := --model qwen2.5-coder-1.5b-instruct --max-tokens 150000 --seq-len 512 --batch-size 2
 train-heads: $(VENV)/.qwen
 	$(PY) -m quickdraft.cli train eagle3 $(TRAIN_DATA) --draft-vocab-size 16384 --steps 450
 	$(PY) -m quickdraft.cli train medusa $(TRAIN_DATA) --draft-vocab-size 16384 --steps 300
-	$(PY) -m quickdraft.cli train draft $(TRAIN_DATA) --draft qwen2.5-coder-0.5b-instruct --steps 300
+	$(PY) -m quickdraft.cli train draft $(TRAIN_DATA) --draft qwen2.5-coder-0.5b-instruct --steps 100
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache
