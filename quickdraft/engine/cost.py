@@ -171,7 +171,7 @@ def _disk_key(decoder, shapes) -> str:
 
 # A calibration timed while other processes held the cores is slow by their share, and, kept on
 # disk, it priced drafts out of every later run: on the Qwen pair the draft model's chain fell
-# from 3.17 to 1.28 tokens a pass until the file was deleted (the online refit corrects a prior
+# from 3.17 to 1.28 tokens a pass (Intel Xeon) until the file was deleted (the online refit corrects a prior
 # only as fast as it times passes of each kind). So points are cached only when, while they were
 # timed, other processes (and the hypervisor's steal) took at most this share of the machine's
 # CPU time; otherwise they serve this process alone and the next one times them again.
