@@ -12,6 +12,7 @@ A suite fills in every flag the command line leaves out; flags given win.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -209,6 +210,15 @@ def build_config(settings: dict, args):
                               s.prompt_lookup_min if s.method == "ngram" else None, draft, s.adaptive,
                               s.num_branches, s.cross_tokenizer, options))
     vs = list(dict.fromkeys(vs))
+    if len({v.draft for v in vs if v.method == "draft_model" and not v.cross_tokenizer}) > 1:
+        # several drafts compared: each draft_model variant is named by its draft, or two would
+        # share a name (and one engine's results would overwrite the other's)
+        vs = [dataclasses.replace(v, named_draft=True) if v.method == "draft_model" else v for v in vs]
+    names = [v.name for v in vs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"variants {twice} would share a name: give their models paths that end in different "
+                          "names", "speculative_config")
     peers = [p for p in _names(settings["peers"]) if p != "none"]
     bad = [p for p in peers if p not in PEERS]
     if bad:

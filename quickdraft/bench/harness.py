@@ -52,6 +52,7 @@ class Variant:
     # any other keys of the speculative config, as (key, value) pairs (--speculative-config's
     # variant: {"quantization": "q4_0"}, {"draft_vocab_size": 32768}, ...)
     options: tuple = ()
+    named_draft: bool = False  # draft_model: the name says which draft (set when a run compares several)
 
     @property
     def name(self) -> str:
@@ -61,6 +62,8 @@ class Variant:
         tree = f" tree B={self.branches}" if self.branches > 1 else ""
         if self.cross_tokenizer:
             tree += f" text {os.path.basename(self.draft or '')}"
+        elif self.named_draft:
+            tree += f" model={os.path.basename(os.path.normpath(self.draft or ''))}"
         extra = "".join(f" {k}={os.path.basename(str(v)) if k == 'model' else v}" for k, v in self.options)
         if self.method == "ngram":
             return f"ngram K={self.k}{fixed}{tree} n={self.lookup_min}..{self.lookup_max}{extra}"
@@ -281,7 +284,8 @@ class Harness:
         memory = {name: self._model_bytes(llm) / MIB for name, llm in engines.items()}
         result = {
             "config": c.to_dict(),
-            "models": {"target": _model_info(target), "draft": _model_info(draft) if draft else None},
+            "models": {"target": _model_info(target), "draft": _model_info(draft) if draft else None,
+                       "drafts": {name: _model_info(m) for name, m in drafts.items()}},  # each one compared
             "floor": floor(bandwidth, decoder.weight_bytes_per_token(), none_tps),
             "requests": [r.to_dict() for r in requests], "runs": runs,
             "divergences": divergences, "tv_tests": tv, "model_mib": memory,

@@ -53,14 +53,15 @@ def test_speculative_config_variant_keeps_its_other_keys():
                                                    '"draft_vocab_size": 32768}')
     c = bench_cli.build_config(bench_cli.resolve(args), args)
     v = c.variants[-1]
-    assert v.name == "draft_model K=4 draft_vocab_size=32768 quantization=q4_0" and v.draft == "d"
+    # the suite's own draft is another model: each draft_model variant is named by its draft
+    assert v.name == "draft_model K=4 model=d draft_vocab_size=32768 quantization=q4_0" and v.draft == "d"
     assert v.spec("loaded") == {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": True, "model": "loaded",
                                 "draft_vocab_size": 32768, "quantization": "q4_0"}
-    assert "draft_model K=4" in [x.name for x in c.variants]  # the suite's own, beside it
+    assert "draft_model K=4 model=qwen2.5-coder-0.5b-instruct" in [x.name for x in c.variants]  # the suite's own
     two = _args(suite="quick", speculative_config='[{"method": "draft_model", "model": "d", "quantization": "q4_0"}, '
                                                   '{"method": "suffix", "num_speculative_tokens": 6}]')
     names = [x.name for x in bench_cli.build_config(bench_cli.resolve(two), two).variants]
-    assert names[-2:] == ["draft_model K=4 quantization=q4_0", "suffix K=6"]
+    assert names[-2:] == ["draft_model K=4 model=d quantization=q4_0", "suffix K=6"]
     # a trained head's directory is no draft to load: it reaches the engine in the spec as given
     head = _args(suite="quick", speculative_config='{"method": "eagle3", "model": "/cache/heads/t/eagle3-generated"}')
     v = bench_cli.build_config(bench_cli.resolve(head), head).variants[-1]
@@ -70,6 +71,30 @@ def test_speculative_config_variant_keeps_its_other_keys():
         with pytest.raises(ConfigError, match="speculative-config"):
             bad_args = _args(suite="quick", speculative_config=bad)
             bench_cli.build_config(bench_cli.resolve(bad_args), bad_args)
+
+
+def test_two_drafts_are_two_variants_named_by_their_drafts():
+    """Two draft models with the same settings (the stock 0.5B and a distilled copy) must not share
+    a name: the results are keyed by it, and one draft's would overwrite the other's."""
+    args = _args(suite="quick", speculative_config='[{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", '
+                                                   '"quantization": "q4_0"}, {"method": "draft_model", '
+                                                   '"model": "/cache/heads/t/draft/", "quantization": "q4_0"}]')
+    c = bench_cli.build_config(bench_cli.resolve(args), args)
+    drafts = [v for v in c.variants if v.method == "draft_model"]
+    assert [v.name for v in drafts] == ["draft_model K=4 model=qwen2.5-coder-0.5b-instruct",
+                                        "draft_model K=4 model=qwen2.5-coder-0.5b-instruct quantization=q4_0",
+                                        "draft_model K=4 model=draft quantization=q4_0"]
+    assert [v.draft for v in drafts][-1] == "/cache/heads/t/draft/"
+    # one draft only: the name stays short
+    one = _args(suite="quick", speculative_config='{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", '
+                                                  '"quantization": "q4_0"}')
+    assert [v.name for v in bench_cli.build_config(bench_cli.resolve(one), one).variants][-1] == \
+        "draft_model K=4 quantization=q4_0"
+    # two heads whose directories end in the same name cannot be told apart: refused, with the name
+    same = _args(suite="quick", speculative_config='[{"method": "eagle3", "model": "/a/eagle3"}, '
+                                                   '{"method": "eagle3", "model": "/b/eagle3"}]')
+    with pytest.raises(ConfigError, match="would share a name"):
+        bench_cli.build_config(bench_cli.resolve(same), same)
 
 
 def test_suite_fills_in_what_the_flags_leave_out():
