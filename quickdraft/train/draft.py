@@ -82,8 +82,8 @@ class TrainableDraft(torch.nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = _linear(w, "lm_head", False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, V] float32 (a causal pass from position 0)."""
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> the final norm's output [B, T, H] (a causal pass from position 0)."""
         c = self.config
         B, T = tokens.shape
         x = self.model.embed_tokens(tokens)
@@ -100,24 +100,48 @@ class TrainableDraft(torch.nn.Module):
             x = x + a.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
             h = rms_norm(x, layer.post_attention_layernorm.weight, c.rms_norm_eps)
             x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
-        x = rms_norm(x, self.model.norm.weight, c.rms_norm_eps)
-        if c.tie_word_embeddings:
-            return F.linear(x, self.model.embed_tokens.weight).float()
-        return self.lm_head(x).float()
+        return rms_norm(x, self.model.norm.weight, c.rms_norm_eps)
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's [V, H] matrix (the embedding's when tied)."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] float32 (a causal pass from position 0)."""
+        return F.linear(self.hidden(tokens), self.head_weight()).float()
 
 
-def kl_loss(draft: TrainableDraft, target_head: torch.Tensor, batch):
-    """Mean KL(p_target || q_draft) over the valid positions -> (loss, {agree})."""
+# Positions whose full-vocabulary logits are held at once by the distillation loss. The whole
+# window's would be [B, T, V] float32 several times over (log-softmaxes of p and q, their
+# difference, and what autograd keeps): 2 x 512 positions x 151936 tokens of the Qwen pair made
+# training peak at 15 GB. A chunk's logits are recomputed in the backward pass instead of kept.
+KL_CHUNK = 256
+
+
+def _kl_chunk(h: torch.Tensor, final: torch.Tensor, head: torch.Tensor, target_head: torch.Tensor):
+    """Summed KL(p_target || q_draft) over a chunk of positions, and how many argmaxes agree."""
+    with torch.no_grad():
+        logp = torch.log_softmax((final @ target_head.T).float(), dim=-1)
+    logq = torch.log_softmax(F.linear(h, head).float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum()
+    return kl, (logq.detach().argmax(-1) == logp.argmax(-1)).sum()
+
+
+def kl_loss(draft: TrainableDraft, target_head: torch.Tensor, batch, chunk: int = KL_CHUNK):
+    """Mean KL(p_target || q_draft) over the valid positions -> (loss, {agree}), computed ``chunk``
+    positions at a time under activation checkpointing (KL_CHUNK): the same loss and gradients as
+    one pass over the window, with the memory of one chunk's logits."""
+    from torch.utils.checkpoint import checkpoint
+
     _, final, tokens, lengths = batch
-    T = tokens.shape[1]
-    with torch.no_grad():
-        logp = torch.log_softmax(final @ target_head.T, dim=-1)  # [B, T, V]
-    logq = torch.log_softmax(draft(tokens), dim=-1)
-    valid = torch.arange(T).view(1, -1) < lengths.view(-1, 1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)
-    with torch.no_grad():
-        agree = ((logq.argmax(-1) == logp.argmax(-1)) & valid).sum() / valid.sum()
-    return (kl * valid).sum() / valid.sum(), {"agree": float(agree)}
+    valid = torch.arange(tokens.shape[1]).view(1, -1) < lengths.view(-1, 1)
+    h, f, head = draft.hidden(tokens)[valid], final[valid], draft.head_weight()  # [N, H], [N, H]
+    total, agree = 0.0, 0
+    for i in range(0, len(h), chunk):
+        kl, hits = checkpoint(_kl_chunk, h[i:i + chunk], f[i:i + chunk], head, target_head, use_reentrant=False)
+        total, agree = total + kl, agree + int(hits)
+    n = int(valid.sum())
+    return total / n, {"agree": agree / n}
 
 
 def add_lora(module: TrainableDraft, rank: int, alpha: float, targets=LORA_TARGETS):
