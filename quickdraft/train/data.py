@@ -178,6 +178,18 @@ def build(model, out_dir: str | Path, texts: str | None = None, seq_len: int = 5
         raise ConfigError("the target has no tokenizer to encode training texts with", "model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    key = target_key(model)
+    old = read_manifest(out)
+    if texts is None and old is not None and old.target_key == key and Path(old.source).is_absolute():
+        # labelled from a user's texts (`train data --texts`, `train generate`'s answers): a train
+        # command without --texts trains on them as they are, never replaces them by the default
+        if not Path(old.source).is_file():
+            raise ConfigError(f"{out} holds data labelled from {old.source}, which is gone: give --texts, or "
+                              "another --data directory for the default text", "texts")
+        if (old.seq_len, old.max_tokens) != (seq_len, max_tokens):
+            print(f"using {out} as labelled from {old.source} ({old.seq_len}-token windows, at most "
+                  f"{old.max_tokens} tokens)", file=sys.stderr)
+        texts, seq_len, max_tokens = old.source, old.seq_len, old.max_tokens
     if texts is None:
         files = _frozen_files(out)
         source = f"installed packages' *.py and METADATA ({len(files)} files, benchmarks excluded)"
@@ -190,10 +202,8 @@ def build(model, out_dir: str | Path, texts: str | None = None, seq_len: int = 5
     ws = windows(model.tokenizer, stream, seq_len, max_tokens)
     if not ws:
         raise ConfigError("the texts hold no window of at least 16 tokens", "texts")
-    key = target_key(model)
     manifest = Manifest(model.config.name or str(model.source), key, list(default_aux_layers(model.config.num_layers)),
                         model.config.hidden_size, seq_len, max_tokens, source, source_key, len(ws), windows_per_shard)
-    old = read_manifest(out)
     if old is not None and (old.target_key, old.source_key, old.seq_len, old.max_tokens, old.version) != \
             (key, source_key, seq_len, max_tokens, DATA_VERSION):
         for f in out.glob("shard-*.safetensors"):  # another target, text or size: start again

@@ -84,6 +84,15 @@ def test_shards_resume_and_name_their_target(tiny_hf_dir, tmp_path, tmp_cache):
     assert first.stat().st_mtime_ns == stamp
     again = data.load_windows(out, model)
     assert all(torch.equal(a.aux, b.aux) and torch.equal(a.tokens, b.tokens) for a, b in zip(windows, again))
+    # a train command without --texts (other defaults) trains on the user's texts as labelled: it
+    # neither deletes them nor labels the default text in their place
+    data.build(model, out, None, seq_len=64, max_tokens=5000, windows_per_shard=3, progress=False)
+    assert first.stat().st_mtime_ns == stamp and data.read_manifest(out) == m
+    moved = texts.rename(tmp_path / "moved.jsonl")
+    with pytest.raises(ConfigError, match="which is gone"):
+        data.build(model, out, None, progress=False)
+    assert first.is_file()
+    moved.rename(texts)
     other = LoadedModel(model.config, {k: v * 1.5 if k == "model.norm.weight" else v for k, v in model.weights.items()},
                         model.tokenizer, "other")
     with pytest.raises(ConfigError, match="labelled by"):
