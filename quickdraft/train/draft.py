@@ -148,6 +148,8 @@ def add_lora(module: TrainableDraft, rank: int, alpha: float, targets=LORA_TARGE
     """Wrap ``targets`` (the ``nn.Linear`` names) in LoRA adapters through ``peft``: every other weight
     is frozen, so only the adapters (2 x rank x (in + out) a matrix) get gradients and AdamW state.
     Returns the ``PeftModel``; ``module`` is changed in place."""
+    if "lm_head" in targets:  # kl_loss multiplies by the head's matrix itself, past any adapter
+        raise QuickdraftError("LoRA adapts the decoder layers' matrices, not lm_head: leave it out of --lora-targets")
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.errors import QuickdraftError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import LoadedModel, load_model
@@ -85,6 +86,8 @@ def test_lora_gives_gradients_only_to_the_adapters(pair):
     assert with_grad == lora
     # every targeted matrix of every layer, nothing else: (q, k, v, o, gate, up, down) x (A, B)
     assert len(lora) == draft.config.num_layers * len(distill.LORA_TARGETS) * 2
+    with pytest.raises(QuickdraftError, match="not lm_head"):  # the loss reads the head's matrix itself
+        distill.add_lora(distill.TrainableDraft(draft), rank=4, alpha=8.0, targets=("q_proj", "lm_head"))
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
