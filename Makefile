@@ -82,7 +82,7 @@ bench-quick: $(VENV)/.qwen
 # "Trained heads"): 150k tokens of the installed packages' sources labelled by the target (19 min
 # here, 130 tokens/s on the 2 cores of the AMD EPYC), then each head (EAGLE-3: 450 steps of two
 # 512-token windows, bf16-mixed, 5.8 s a step when alone: 44 min), and the 0.5B draft distilled with
-# LoRA (12-35 s a step of two windows here, so 100 steps take 20-60 min; peak RSS 14-15 GB, mostly
+# LoRA (12-35 s a step of two windows here, so 100 steps take 20-60 min; peak RSS 11-13.5 GiB, mostly
 # the two models and the labelled data). Weights go to
 # $QUICKDRAFT_CACHE/heads/, never into the repository; rerun to resume after an interruption.
 TRAIN_DATA := --model qwen2.5-coder-1.5b-instruct --max-tokens 150000 --seq-len 512 --batch-size 2
