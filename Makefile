@@ -35,9 +35,19 @@ $(VENV)/.qwen: $(VENV)/.installed
 
 models-qwen: $(VENV)/.qwen
 
+# The ARM64 kernels are cross-compiled and run under qemu-user by tests/models/test_native_kernels.py:
+# Debian's aarch64 toolchain and qemu, installed where apt-get can (root); elsewhere those tests skip
+# with one line saying why.
+$(VENV)/.cross: | $(VENV)/.installed
+	@command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null \
+		|| { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get update -qq \
+		     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null; } \
+		|| echo "note: no aarch64 cross tools (g++-aarch64-linux-gnu, qemu-user): the ARM64 kernel tests will skip"
+	touch $@
+
 # test-deploy is the slower part (about 2.5 minutes here: a local Ray cluster with 2 replicas,
 # Triton's server); make test, and so CI, runs it after the rest.
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.cross
 	$(PY) -m pytest -q --ignore=tests/deploy
 	$(MAKE) test-deploy
 
@@ -50,26 +60,33 @@ demo: $(VENV)/.qwen
 # The standard suite measures the peers too: install them (llama-cpp-python builds from source,
 # about 5 minutes) unless they are there. bench-quick skips a missing peer with a note.
 #
-# llama.cpp is built for an explicit instruction set, not for this CPU. ggml's default is
-# GGML_NATIVE=ON (-march=native), which on an Intel Xeon with AMX (Sapphire Rapids and later)
-# defines __AMX_INT8__ and so compiles and uses ggml's AMX path: the weights are repacked into an
-# "AMX buffer" and the first matmul segfaults in ggml_backend_amx_mul_mat (ggml-org/llama.cpp
-# #20824; ollama/ollama #17205, #17006, #17249; the AMX tile config is miscompiled by GCC 11,
-# ollama/ollama PR #17244, and worker threads lack the XTILEDATA permission on newer kernels,
-# ggml-org/llama.cpp PR #26954, open). That is the exit 139 of issue 8 with Qwen2.5-Coder Q4_K_M.
-# Everyone who worked around it turned AMX off (ollama PR #9203 dropped its sapphirerapids
-# backend; stanfordnlp/dspy PR #10079). So: no -march=native, AMX off, and the AVX2 + AVX-512
-# (VNNI, BF16, VBMI) set that both CPUs of this project's machines have (Xeon with AMX, and the
-# EPYC: see /proc/cpuinfo), so llama.cpp keeps its fast Q4_K kernels on both. A CPU without
-# AVX-512 would need -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
-# -DGGML_AVX512_BF16=OFF. --no-cache-dir: pip's wheel cache would hand back an earlier -march=native
-# build of the same version. An installed build with AMX_INT8 = 1 (ggml's system info, which the
-# bench also records in results.json) is removed first, so this rebuilds it.
-LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+# llama.cpp is built for the instruction sets this CPU has, named one by one, not with
+# -march=native: ggml's default GGML_NATIVE=ON on an Intel Xeon with AMX (Sapphire Rapids and later)
+# defines __AMX_INT8__ and so compiles and uses ggml's AMX path, whose first matmul segfaults in
+# ggml_backend_amx_mul_mat (ggml-org/llama.cpp #20824; ollama/ollama #17205, #17006, #17249; the
+# AMX tile config is miscompiled by GCC 11, ollama/ollama PR #17244, and worker threads lack the
+# XTILEDATA permission on newer kernels, ggml-org/llama.cpp PR #26954). Everyone who worked around
+# it turned AMX off (ollama PR #9203; stanfordnlp/dspy PR #10079). So: AMX off, and each AVX-512
+# feature on only where /proc/cpuinfo lists it (an AVX2-only CPU such as AMD Zen 3 gets none).
+# QUICKDRAFT_ISA=avx2 builds it for AVX2 alone, to compare with quickdraft's AVX2 path on an
+# AVX-512 machine. On ARM64, ggml's native build. --no-cache-dir: pip's wheel cache would hand back
+# an earlier build of the same version; an installed build whose features differ from these
+# (ggml's system info, which the bench also records in results.json) is removed first.
+cpu_has = $(if $(and $(filter avx2,$(QUICKDRAFT_ISA)),$(filter avx512% avx_vnni,$(1))),OFF,$(shell grep -qw '$(1)' /proc/cpuinfo 2>/dev/null && echo ON || echo OFF))
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=$(call cpu_has,avx2) -DGGML_FMA=$(call cpu_has,fma) \
+	-DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) -DGGML_AVX512=$(call cpu_has,avx512f) \
+	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CPP_AVX512 := $(if $(filter ON,$(call cpu_has,avx512f)),1,0)
+else
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=ON
+LLAMA_CPP_AVX512 := 0
+endif
 bench: $(VENV)/.qwen
-	$(PY) -c "import sys, llama_cpp; sys.exit(b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())" 2>/dev/null \
+	$(PY) -c "import sys, llama_cpp; i = llama_cpp.llama_print_system_info(); \
+		sys.exit(b'AMX_INT8 = 1' in i or (b'AVX512 = 1' in i) != bool($(LLAMA_CPP_AVX512)))" 2>/dev/null \
 		|| $(PIP) uninstall -y llama-cpp-python 2>/dev/null || true
 	$(PY) -c "import llama_cpp, transformers" 2>/dev/null \
 		|| CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir -c constraints.txt -e '.[peers]'

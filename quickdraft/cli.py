@@ -25,7 +25,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
                    help="gguf: run a GGUF model on its stored block-quantized weights (Q4_K, Q6_K, Q8_0, ...), "
                         "--dtype being the activations'; none: dequantize them to --dtype; auto (default): gguf "
-                        "where the CPU kernels run (AVX512-VNNI), else none")
+                        "where quickdraft's CPU kernels run (see `quickdraft check`), else none")
     p.add_argument("--max-model-len", type=int, default=None)
 
 

@@ -11,7 +11,8 @@ only the rows a verifier needs pay for the large output projection.
 Batch invariance (ARCHITECTURE.md point 11): a token's hidden state must not depend on what else
 is in the pass, or a verification pass would disagree with single-token decoding by rounding.
 The projections take quickdraft's own CPU kernels (kernels/linear.cpp), invariant by construction
-in float32, bfloat16 and int8 on every CPU with AVX512-BF16 and VNNI. torch's matmul is not: on an
+in float32, bfloat16 and int8 on every instruction set they are built for (kernels/simd.h: AVX-512,
+AVX2, NEON and a portable one). torch's matmul is not: on an
 AMD EPYC its float32 tail rows (1..3 past a multiple of four) take another kernel, and on an Intel
 Xeon with AMX every float32 row count from 13 up does; so the torch fallback pads rows to a
 multiple of ``ROW_MULTIPLE``, which helps on some CPUs, and ``batch_invariance`` says it promises

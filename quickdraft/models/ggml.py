@@ -16,12 +16,14 @@ ggml does:
 The kernels quantize each row of activations to int8 per block (ggml's Q8_0 for 32-blocks), so
 a product is not the float product with the dequantized weights; it is close (tested), and batch
 invariant bit for bit. Where the kernels are missing (another CPU, CUDA, ``QUICKDRAFT_KERNELS=0``)
-``linear`` dequantizes and uses torch: correct, slower, and not invariant.
+``linear`` dequantizes each matrix once, keeps it, and uses torch: correct, more memory, and
+not invariant.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -265,6 +267,19 @@ def on_blocks(weights) -> bool:
     return any(isinstance(w, BlockWeight) for w in weights.values())
 
 
+_WARNED: set = set()
+
+
+def _warn_dense_once(w: "BlockWeight", dense: torch.Tensor) -> None:
+    """One line per device and dtype: GGUF blocks running dequantized, and what that costs."""
+    key = (str(dense.device), dense.dtype)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"quickdraft: no GGUF block kernels for {dense.dtype} on {dense.device}: block matrices are "
+                      f"dequantized once, on first use ({w.ggml_type} {tuple(w.shape)}: {w.nbytes / 2**20:.1f} MiB of "
+                      f"blocks -> {dense.numel() * dense.element_size() / 2**20:.1f} MiB dense)", stacklevel=4)
+
+
 @dataclass
 class BlockWeight:
     """A projection [out, in] in a GGUF block format, repacked for kernels/blocks.cpp."""
@@ -273,6 +288,7 @@ class BlockWeight:
     data: torch.Tensor  # [tiles, tile bytes] uint8: 16 rows a tile (see blocks.cpp)
     in_features: int
     out_features: int
+    _dense: dict = field(default_factory=dict, repr=False, compare=False)  # dtype -> dequantized copy (no kernels)
 
     @property
     def format(self) -> Format:
@@ -324,16 +340,26 @@ class BlockWeight:
         deq = _dequantize(self.format, self.fields(rows))
         return torch.from_numpy(deq).to(device=self.device, dtype=dtype)
 
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The matrix dequantized to ``dtype``, once (kept for the calls after)."""
+        if dtype not in self._dense:
+            dense = self.dequantize(dtype)
+            _warn_dense_once(self, dense)
+            self._dense[dtype] = dense
+        return self._dense[dtype]
+
     def select(self, rows: torch.Tensor) -> "BlockWeight":
         """The given output rows (a permutation, or a truncated vocabulary), repacked."""
         picked = BlockWeight.from_fields(self.ggml_type, self.fields(rows), self.in_features)
         return picked.to(self.device)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [n, in] @ w.T (+ bias) -> [n, out] in x's dtype."""
+        """x [n, in] @ w.T (+ bias) -> [n, out] in x's dtype. Without the block kernels (CUDA, a CPU
+        whose kernels did not build) the matrix is dequantized to x's dtype on the first call and
+        kept: a dense copy beside the blocks, never a dequantization at every call."""
         module = block_linear() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
         if module is None:
-            return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
+            return torch.nn.functional.linear(x, self.dense(x.dtype), bias)
         y = module.linear_blocks(x.contiguous(), self.data, self.format.kind, self.in_features, bias)
         return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
 

@@ -15,6 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+import warnings
 from typing import Callable
 
 import torch
@@ -56,11 +57,18 @@ QUANTIZATIONS = (None, "none", "gguf", "auto")
 
 def resolve_quantization(path: Path, device: str | torch.device, quantization: str | None) -> str | None:
     """"auto" (the default): a GGUF file runs on its stored blocks where the block kernels run
-    (a CPU with AVX512-VNNI; elsewhere the blocks would be dequantized at every call), else on
-    its weights dequantized to the dtype. "none" or None: dequantized. "gguf": the blocks."""
+    (on the CPU, every instruction set quickdraft builds for: ``quickdraft check`` names it), else
+    on its weights dequantized to the dtype once, at load. "none" or None: dequantized. "gguf":
+    the blocks, and where the device has no block kernels (CUDA, or a CPU whose kernels did not
+    build) dequantized once at load as well, with one warning line: never at every call."""
+    kernels = torch.device(device).type == "cpu" and block_linear() is not None
     if quantization == "auto":
-        blocks = not path.is_dir() and torch.device(device).type == "cpu" and block_linear() is not None
-        return "gguf" if blocks else None
+        return "gguf" if not path.is_dir() and kernels else None
+    if quantization == "gguf" and not path.is_dir() and not kernels:
+        warnings.warn(f"quickdraft: no GGUF block kernels on {torch.device(device)} "
+                      f"({'the CPU kernels did not build' if torch.device(device).type == 'cpu' else 'a CPU-only path'}): "
+                      f"{path.name}'s blocks are dequantized once at load, to the model's dtype", stacklevel=3)
+        return None
     return None if quantization == "none" else quantization
 
 

@@ -290,7 +290,7 @@ def load_draft(spec, ctx, check_vocabulary: bool):
     if spec.quantization == "auto" and _loads_on_blocks(spec.model, ctx, device):
         requant = AUTO_DRAFT_BLOCKS  # as below, but the loader's own cached conversion: no stored copy read first
     if requant and (torch.device(device).type != "cpu" or block_linear() is None):
-        raise ConfigError('quantization "q4_0" runs the draft on the CPU\'s GGUF block kernels (AVX512-VNNI), '
+        raise ConfigError('quantization "q4_0" runs the draft on the CPU\'s GGUF block kernels, '
                           f"which the draft's device {device!r} does not have", "quantization")
     draft = ctx.load_model(spec.model, device=device, requantize=requant)
     if check_vocabulary:

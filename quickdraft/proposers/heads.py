@@ -100,8 +100,8 @@ def serving_head(module: nn.Module, quantization: str | None, device) -> nn.Modu
     kind = HEAD_BLOCKS.get(quantization) if quantization is not None else None
     runs = torch.device(device).type == "cpu" and block_linear() is not None
     if kind is not None and quantization != "auto" and not runs:
-        raise ConfigError(f"quantization {quantization!r} serves the head from GGUF blocks on the CPU's kernels "
-                          f"(AVX512-VNNI), which device {str(device)!r} does not have; leave it out", "quantization")
+        raise ConfigError(f"quantization {quantization!r} serves the head from GGUF blocks on the CPU's kernels, "
+                          f"which device {str(device)!r} does not have; leave it out", "quantization")
     module = copy.deepcopy(module).to(device).float().eval()
     if kind is None or not runs:
         return module

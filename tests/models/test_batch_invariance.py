@@ -1,7 +1,7 @@
 """Batch invariance, op by op and for the whole decoder (ARCHITECTURE.md point 11).
 
-A row's result must not depend on how many other rows share the op. On the kernel path (every CPU
-with AVX512-BF16 and VNNI: AMD EPYC and Intel Xeon alike) these tests compare bit for bit
+A row's result must not depend on how many other rows share the op. On the kernel path (every
+instruction set the kernels build for: AVX-512, AVX2, NEON, portable) these tests compare bit for bit
 (torch.equal), no tolerance: that is what lets speculative output equal plain output exactly, in
 float32 and in bfloat16. The torch fallback, forced here as ``QUICKDRAFT_KERNELS=0`` would, promises
 no invariance (MKL's float32 rounding depends on the row count, differently on each CPU): its
@@ -15,13 +15,13 @@ import torch
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder, _bmm_rows, linear, rms_norm
 from quickdraft.models.invariance import probe, probe_linear
-from quickdraft.models.kernels import ISA, _cpu_has, invariance
+from quickdraft.models.kernels import block_linear, invariance
 from quickdraft.models.quant import Int8Weight
 from quickdraft.models.tiny import random_weights, tiny_config
 
 DTYPES = [torch.float32, torch.bfloat16]
-HAS_ISA = _cpu_has(*ISA)
-PATHS = [pytest.param("kernel", marks=pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-BF16 / VNNI")),
+HAS_KERNELS = block_linear() is not None
+PATHS = [pytest.param("kernel", marks=pytest.mark.skipif(not HAS_KERNELS, reason="the CPU kernels did not build")),
          "fallback"]
 # the fallback's error bound against the rows alone: float32 rounding, and one bfloat16 ulp
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2**-6}
@@ -69,7 +69,7 @@ def test_linear_rows_do_not_depend_on_the_batch(path, dtype, shape):
         assert _same(linear(x[:n], w, b), alone[:n], dtype, path), f"{n} rows"
 
 
-@pytest.mark.skipif(not HAS_ISA, reason="no VNNI")
+@pytest.mark.skipif(not HAS_KERNELS, reason="the CPU kernels did not build")
 @pytest.mark.parametrize("shape", [(896, 4864), (100, 37)])
 def test_int8_rows_do_not_depend_on_the_batch(shape):
     """Integer sums are exact and the per-row scales are the row's own: bit for bit."""

@@ -44,7 +44,7 @@ def test_an_unknown_draft_quantization_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(block_linear() is None, reason="the GGUF block kernels need AVX512-VNNI")
+@pytest.mark.skipif(block_linear() is None, reason="the CPU kernels did not build")
 def test_a_4_bit_draft_keeps_the_output_and_is_cached(smollm2_path, tmp_cache, monkeypatch):
     """SmolLM2 (Q4_1, 5 bits a weight) drafting for itself through Q4_0: every matrix but the
     embedding lookup's is Q4_0, the output is plain decoding's, and a second engine reads the

@@ -25,22 +25,15 @@ from pathlib import Path
 
 import torch
 
+from quickdraft.models.kernels import isa as isas
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp")  # compiled into one module
-HEADERS = ("tiles.h", "entry.h")  # tiles.h: the walk (linear.cpp, blocks.cpp); entry.h: the entry points
-ISA = ("avx512f", "avx512_bf16", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
-
-
-def _cpu_has(*flags: str) -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    have = set(line.split())
-    return all(f in have for f in flags)
+# the walk (tiles.h), the entry points (entry.h), the vector layer and its instruction sets (simd.h,
+# isa_*.h), the cores on raw pointers (linear.h, blocks.h) and AMX (amx_x86.h)
+HEADERS = ("tiles.h", "entry.h", "simd.h", "isa_avx512.h", "isa_avx2.h", "isa_neon.h", "isa_portable.h", "linear.h",
+           "blocks.h", "amx_x86.h")
 
 
 @functools.cache
@@ -60,6 +53,19 @@ def source_hash() -> str:
     for name in SOURCES + HEADERS:
         h.update((HERE / name).read_bytes())
     return h.hexdigest()[:16]
+
+
+def chosen_isa() -> isas.Isa:
+    """The instruction set the kernels are built for here (``isa.choose``: the best the CPU runs,
+    or ``QUICKDRAFT_ISA``)."""
+    return isas.choose()
+
+
+def path_name() -> str:
+    """The kernels' path as the user sees it: "avx512-avx512_bf16", "avx2", "neon", "portable",
+    or "torch" where the kernels are off or did not build."""
+    module = _module()
+    return "torch" if module is None else chosen_isa().key(isas.cpu_features())
 
 
 def bf16_linear():
@@ -160,12 +166,13 @@ def invariance(dtype: torch.dtype, device: torch.device | str, blocks: bool = Fa
                           "differently in a verification pass than alone; greedy output equals plain decoding "
                           "except where the top two logits are within rounding")
     if dense_linear(dtype, device) is not None:  # the block kernels live in the same module
+        isa = chosen_isa().name
         if blocks and amx_active():
-            return Invariance(True, f"{name}-avx512-amx",
+            return Invariance(True, f"{name}-{isa}-amx",
                               "quickdraft's own kernel: exact integer block sums (VNNI for a few rows, AMX for more) "
                               "meet float in one sequence per output, whatever the rows")
-        return Invariance(True, f"{name}-avx512",
-                          "quickdraft's own kernel: one instruction sequence per output, whatever the rows")
+        return Invariance(True, f"{name}-{isa}",
+                          f"quickdraft's own kernel ({isa}): one instruction sequence per output, whatever the rows")
     return Invariance(False, "torch-cpu", f"torch's matmul, whose rounding may depend on the row count: {_why_no_kernel(dtype)}")
 
 
@@ -174,8 +181,6 @@ def _why_no_kernel(dtype: torch.dtype) -> str:
         return f"no kernel for {dtype}"
     if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0":
         return "QUICKDRAFT_KERNELS=0"
-    if not _cpu_has(*ISA):
-        return f"this CPU lacks one of {', '.join(ISA)}"
     return "the kernels did not build (see the warning above)"
 
 
@@ -200,14 +205,22 @@ def _clear_stale_lock(build: Path) -> None:
 
 @functools.cache
 def _module():
-    if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0" or not _cpu_has(*ISA):
+    if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0":
         return None
+    return build(chosen_isa())
+
+
+def build(isa: isas.Isa):
+    """The kernels compiled for ``isa`` (built on first use, then loaded from the cache), or None
+    with a warning where they do not build. One module per instruction set and source version."""
     from torch.utils import cpp_extension
 
-    # One build directory per source version, compiled from its own copy of the sources: ninja
-    # keys its build on the sources' paths, so two checkouts of the same version in different
-    # folders would otherwise rebuild over each other at every first use (a minute of both cores).
-    build = cache_dir() / "extensions" / f"torch-{torch.__version__}-{source_hash()}"
+    features = isas.cpu_features()
+    key = isa.key(features)
+    # One build directory per source version and ISA, compiled from its own copy of the sources:
+    # ninja keys its build on the sources' paths, so two checkouts of the same version in
+    # different folders would otherwise rebuild over each other at every first use.
+    build = cache_dir() / "extensions" / f"torch-{torch.__version__}-{source_hash()}-{key}"
     src = build / "src"
     src.mkdir(parents=True, exist_ok=True)
     for name in SOURCES + HEADERS:
@@ -218,14 +231,14 @@ def _module():
             os.replace(tmp, copy)  # atomic: a concurrent build reads the old bytes or the new, never half
     _clear_stale_lock(build)
     try:
+        # -ffp-contract=off: a lane's float operations are exactly the ones written (simd.h), so
+        # the compiler cannot fuse a multiply and an add in one ISA's build and not in another's
         module = cpp_extension.load(
-            name="quickdraft_linear", sources=[str(src / name) for name in SOURCES], build_directory=str(build),
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
-                         # AMX intrinsics (blocks.cpp) run only where cpuid and Linux allow; the compiler never emits them itself
-                         "-mamx-tile", "-mamx-int8", "-fopenmp"],
+            name=f"quickdraft_kernels_{key.replace('-', '_')}", sources=[str(src / name) for name in SOURCES],
+            build_directory=str(build), extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *isa.flags(features)],
             extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, ...: correct but slower
-        warnings.warn(f"quickdraft: the CPU kernels did not build ({e}); using torch's linear", stacklevel=2)
+        warnings.warn(f"quickdraft: the CPU kernels ({key}) did not build ({e}); using torch's linear", stacklevel=2)
         return None
     return module

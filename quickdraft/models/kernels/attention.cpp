@@ -1,24 +1,21 @@
 // Attention of a chain of new tokens over one sequence's cache: row j (of m) attends over the
 // first ctx + j + 1 keys, as it would when decoded alone. Written by hand for two reasons:
 // - batch invariance: each (row, head) runs one fixed sequence over exactly its own keys (dot
-//   products in 16 lanes then one horizontal sum, max, exp, sums in key order), so its bits do not
+//   products in 16 lanes then simd.h's one reduction tree, max, exp, sums in key order), so its bits do not
 //   depend on how many rows the pass has; torch's softmax and matmul round by shape;
 // - cost: a verification pass of m rows is one call, not m x (a dozen small torch ops) per layer.
 #include <torch/extension.h>
-#include <ATen/cpu/vec/vec.h>
-#include <immintrin.h>
+
 #include <array>
 #include <cmath>
 #include <vector>
 
+#include "entry.h"
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t MAX_HEAD_DIM = 256;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // out[d] = sum_i softmax(scale * q . k_i)_i * v_i over keys key(0)..key(len - 1), in that order;
 // d a multiple of 16. Which keys a row reads (a chain's first ctx + j + 1, a tree node's context
@@ -29,31 +26,26 @@ void attend_one(const float* q, const T* K, const T* V, int64_t ks, int64_t len,
                 float* scores, float* out, Key key) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < len; ++i) {
-    __m512 acc = _mm512_setzero_ps();
+    simd::F16 acc = simd::zero_f();
     const T* k = K + key(i) * ks;
-    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load16(k + c), acc);
-    const float s = _mm512_reduce_add_ps(acc) * scale;
+    for (int64_t c = 0; c < d; c += 16) acc = simd::fmadd(simd::load_f(q + c), simd::load_f(k + c), acc);
+    const float s = simd::reduce_add(acc) * scale;
     scores[i] = s;
     mx = std::max(mx, s);
   }
-  // exp in 16-lane vectors (each element's value does not depend on its lane), summed in key order
-  using Vec = at::vec::Vectorized<float>;
+  // each score's exp on its own (the C library's expf), summed in key order
   float total = 0.0f;
-  int64_t i = 0;
-  for (; i + Vec::size() <= len; i += Vec::size()) {
-    (Vec::loadu(scores + i) - Vec(mx)).exp().store(scores + i);
-  }
-  if (i < len) (Vec::loadu(scores + i, len - i) - Vec(mx)).exp().store(scores + i, len - i);
+  for (int64_t t = 0; t < len; ++t) scores[t] = std::exp(scores[t] - mx);
   for (int64_t t = 0; t < len; ++t) total += scores[t];
   const float inv = 1.0f / total;
-  __m512 o[MAX_HEAD_DIM / 16];
-  for (int64_t c = 0; c < d; c += 16) o[c / 16] = _mm512_setzero_ps();
+  simd::F16 o[MAX_HEAD_DIM / 16];
+  for (int64_t c = 0; c < d; c += 16) o[c / 16] = simd::zero_f();
   for (int64_t t = 0; t < len; ++t) {
-    const __m512 p = _mm512_set1_ps(scores[t]);
+    const simd::F16 p = simd::set1_f(scores[t]);
     const T* v = V + key(t) * ks;
-    for (int64_t c = 0; c < d; c += 16) o[c / 16] = _mm512_fmadd_ps(p, load16(v + c), o[c / 16]);
+    for (int64_t c = 0; c < d; c += 16) o[c / 16] = simd::fmadd(p, simd::load_f(v + c), o[c / 16]);
   }
-  for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(o[c / 16], _mm512_set1_ps(inv)));
+  for (int64_t c = 0; c < d; c += 16) simd::store_f(out + c, simd::mul(o[c / 16], simd::set1_f(inv)));
 }
 
 // rows j = 0..m-1 of Q (and heads h) each over len(j) keys, key(j, i) the i-th of them
@@ -122,7 +114,8 @@ torch::Tensor with_dtype(const torch::Tensor& q, const torch::Tensor& keys, cons
   if (keys.scalar_type() == torch::kFloat32) {
     run(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), hs, ks, out.data_ptr<float>());
   } else {
-    run(qc.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), hs, ks, out.data_ptr<float>());
+    run(qc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(keys.data_ptr()), reinterpret_cast<const uint16_t*>(values.data_ptr()), hs,
+        ks, out.data_ptr<float>());
   }
   return out;
 }

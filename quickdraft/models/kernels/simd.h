@@ -1,0 +1,60 @@
+// The vector layer every kernel is written against: 16 float32 lanes (F16), 16 int32 lanes
+// (I16) and 64 bytes (B64, byte 4l..4l+3 belonging to lane l), with the operations the kernels
+// use. One header per instruction set implements it (isa_avx512.h, isa_avx2.h, isa_neon.h,
+// isa_portable.h), chosen when the module is compiled (QD_ISA_*, set by kernels/__init__.py);
+// adding an instruction set is adding a header. The kernels never name an intrinsic.
+//
+// The contract that keeps the kernels batch invariant and, where it can, equal across ISAs:
+// - every lane operation is the IEEE operation on that lane alone (fmadd and fnmadd fused,
+//   exactly one rounding), so a lane's bits do not depend on the ISA;
+// - reduce_add is one fixed tree: lanes i and i + 8, then i and i + 4, i + 2, i + 1 (what
+//   _mm512_reduce_add_ps does), on every ISA;
+// - the integer dots are exact: dot_us(acc, u, s) adds to lane l the sum of its 4 byte products
+//   u8 x s8 for every u8 when FULL_U8 is true, and for u8 <= 127 otherwise (AVX2's vpmaddubsw
+//   saturates past that: callers with wider unsigned values use dot_ss, ggml's sign trick);
+//   dot_ss(acc, a, b) is exact for signed a, and b in -127..127.
+// - dot_bf16 is the one operation whose rounding is the ISA's own (AVX512-BF16's vdpbf16ps
+//   against two FMAs elsewhere): a bfloat16 linear's bits differ across ISAs, and within one
+//   ISA they are still one fixed sequence per output.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace simd {
+
+// float -> bfloat16, round to nearest even as torch does (NaN -> a quiet NaN)
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace simd
+
+// QD_ISA_NS: an inline namespace that the kernels' own names (linear.h, blocks.h) go in too, so
+// that two ISAs' builds of one template never meet under one symbol
+#if defined(QD_ISA_AVX512)
+#include "isa_avx512.h"
+#define QD_ISA_NS avx512
+#elif defined(QD_ISA_AVX2)
+#include "isa_avx2.h"
+#define QD_ISA_NS avx2
+#elif defined(QD_ISA_NEON)
+#include "isa_neon.h"
+#define QD_ISA_NS neon
+#elif defined(QD_ISA_PORTABLE)
+#include "isa_portable.h"
+#define QD_ISA_NS portable
+#else
+#error "define one of QD_ISA_AVX512, QD_ISA_AVX2, QD_ISA_NEON, QD_ISA_PORTABLE"
+#endif

@@ -1,0 +1,116 @@
+// One instruction set's kernels (the cores on raw pointers: linear.h, blocks.h) behind C names
+// prefixed by the ISA, so that kernels_test.cpp links several ISAs into one program and compares
+// them. Compiled once per ISA with -DQD_ISA_<NAME> -DQD_PREFIX=<name>.
+#include <cstring>
+#include <vector>
+
+#include "../../quickdraft/models/kernels/blocks.h"
+#include "../../quickdraft/models/kernels/linear.h"
+
+#define QD_CAT2(a, b) a##_##b
+#define QD_CAT(a, b) QD_CAT2(a, b)
+#define QD_NAME(f) QD_CAT(QD_PREFIX, f)
+
+extern "C" {
+
+const char* QD_NAME(isa)() { return simd::ISA; }
+
+void QD_NAME(linear_f32)(const float* X, const float* W, const float* B, float* Y, int64_t M, int64_t K, int64_t N) {
+  qd::linear_f32(X, W, B, Y, M, K, N);
+}
+
+void QD_NAME(linear_bf16)(const uint16_t* X, const uint16_t* W, const float* B, uint16_t* Y, int64_t M, int64_t K, int64_t N) {
+  qd::linear_bf16(X, W, B, Y, M, K, N);
+}
+
+void QD_NAME(linear_w8)(const uint16_t* X, const int8_t* W, const float* WS, const int32_t* WSUM, uint16_t* Y, int64_t M,
+                        int64_t K, int64_t N) {
+  std::vector<uint8_t> q(M * K);
+  std::vector<float> s(M);
+  qd::quantize_rows_w8(X, M, K, q.data(), s.data());
+  qd::linear_w8(q.data(), s.data(), W, WS, WSUM, nullptr, Y, M, K, N);
+}
+
+// x [M, K] float32 times one weight of `tiles` tiles of GGUF format `kind` -> y [M, tiles * 16] float32
+int QD_NAME(linear_blocks)(int kind, const float* X, int64_t M, int64_t K, const uint8_t* tiles, int64_t count, float* Y) {
+  return qd::by_kind(kind, [&](auto k) {
+    constexpr int KIND = decltype(k)::value;
+    if constexpr (KIND < 0) {
+      return 1;
+    } else {
+      using F = qd::Format<KIND>;
+      const int64_t nb = K / F::L;
+      std::vector<int8_t> q(M * K);
+      std::vector<float> xs(M * nb), qs(M * nb);
+      std::vector<int32_t> init(M * nb);
+      qd::quantize_rows<KIND>(X, M, K, q.data(), xs.data(), init.data(), qs.data());
+      const qd::Rows rows{q.data(), xs.data(), init.data(), qs.data(), K, nb, M > 1};
+      qd::Weights w;
+      w.count = 1;
+      w.tile_bytes = F::tile_bytes(nb);
+      w.W[0] = tiles;
+      w.B[0] = nullptr;
+      w.first[1] = count;
+      w.ys[0] = qd::Out{Y, true};
+      qd::run_tiles<KIND>(rows, w, M);
+      return 0;
+    }
+  });
+}
+
+}  // extern "C"
+
+namespace {
+
+// a float16 of magnitude 2^-10 .. 2^-3 with the sign and mantissa bits already there
+void sane_half(uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  h = static_cast<uint16_t>((h & 0x83ff) | ((5 + (h & 7)) << 10));
+  std::memcpy(p, &h, 2);
+}
+
+}  // namespace
+
+extern "C" {
+
+// random tiles made sane: every float16 field (scales, mins, super-block d and dmin) a small
+// finite number; the values and the integer scales stay as random as they came
+int QD_NAME(sanitize)(int kind, uint8_t* tiles, int64_t count, int64_t K) {
+  return qd::by_kind(kind, [&](auto k) {
+    constexpr int KIND = decltype(k)::value;
+    if constexpr (KIND < 0) {
+      return 1;
+    } else {
+      using F = qd::Format<KIND>;
+      const int64_t nb = K / F::L, halves = F::MIN ? 32 : 16;
+      for (int64_t t = 0; t < count; ++t) {
+        uint8_t* p = tiles + t * F::tile_bytes(nb);
+        for (int64_t b = 0; b < nb; ++b) {
+          if (F::SUPER > 0 && b % F::SUPER == 0) {
+            for (int64_t i = 0; i < halves; ++i) sane_half(p + 2 * i);
+            p += F::SUPER_BYTES;
+          }
+          if (F::SUPER == 0) {
+            for (int64_t i = 0; i < halves; ++i) sane_half(p + F::VECTORS * 64 + 2 * i);
+          }
+          p += F::BLOCK_BYTES;
+        }
+      }
+      return 0;
+    }
+  });
+}
+
+int64_t QD_NAME(tile_bytes)(int kind, int64_t K) {
+  return qd::by_kind(kind, [&](auto k) -> int64_t {
+    constexpr int KIND = decltype(k)::value;
+    if constexpr (KIND < 0) {
+      return -1;
+    } else {
+      return qd::Format<KIND>::tile_bytes(K / qd::Format<KIND>::L);
+    }
+  });
+}
+
+}  // extern "C"
