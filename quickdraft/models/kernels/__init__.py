@@ -147,8 +147,9 @@ class Invariance:
     for bit rather than only to rounding."""
 
     promised: bool
-    path: str  # the linear path the decoder takes: "f32-avx512", "bf16-avx512", "gguf-blocks-bf16-avx512-amx", "torch-cpu", ...
+    path: str  # the linear path the decoder takes: "f32-avx512", "bf16-avx2", "gguf-blocks-bf16-avx512-amx", "torch-cpu", ...
     why: str  # one line for the user
+    kernels: str = "torch"  # the CPU kernels' build (``path_name()``: "avx512-avx512_bf16", "avx2", "neon", "portable")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,13 +167,13 @@ def invariance(dtype: torch.dtype, device: torch.device | str, blocks: bool = Fa
                           "differently in a verification pass than alone; greedy output equals plain decoding "
                           "except where the top two logits are within rounding")
     if dense_linear(dtype, device) is not None:  # the block kernels live in the same module
-        isa = chosen_isa().name
+        isa, build = chosen_isa().name, path_name()
         if blocks and amx_active():
             return Invariance(True, f"{name}-{isa}-amx",
                               "quickdraft's own kernel: exact integer block sums (VNNI for a few rows, AMX for more) "
-                              "meet float in one sequence per output, whatever the rows")
+                              "meet float in one sequence per output, whatever the rows", build)
         return Invariance(True, f"{name}-{isa}",
-                          f"quickdraft's own kernel ({isa}): one instruction sequence per output, whatever the rows")
+                          f"quickdraft's own kernel ({isa}): one instruction sequence per output, whatever the rows", build)
     return Invariance(False, "torch-cpu", f"torch's matmul, whose rounding may depend on the row count: {_why_no_kernel(dtype)}")
 
 
