@@ -60,7 +60,7 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for LoRA, 2e-5 for a full fine-tune")
     p.add_argument("--seed", type=int, default=0)
     # LoRA by default: at equal steps it reached a lower KL than the full fine-tune with half the
-    # training memory (docs/figures/lora/README.md)
+    # training memory (docs/benchmarks/archive/lora-vs-full-finetune/README.md)
     p.add_argument("--lora-rank", type=int, default=16, help="train LoRA adapters of this rank (through peft) and "
                                                              "merge them into the saved weights; 0: a full fine-tune")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (default 2 x rank)")
