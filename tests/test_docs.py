@@ -30,3 +30,36 @@ def test_readme_links_resolve():
     assert local, "the README links to the docs"
     missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def _parsers(parser):
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_default_is_shown_in_help():
+    from quickdraft.cli import build_parser
+
+    parsers = list(_parsers(build_parser()))
+    assert len(parsers) > 8  # every subcommand, train's and bench's included
+    for parser in parsers:
+        for action in parser._actions:
+            if action.option_strings and action.default not in (None, False, "==SUPPRESS==") and action.help != "==SUPPRESS==":
+                entry = parser._get_formatter()._format_action(action)  # the flag's lines in --help
+                assert "default" in entry.lower(), f"{parser.prog} {action.option_strings[-1]}: --help hides its default"
+
+
+def test_version_flag(capsys):
+    import pytest
+
+    from quickdraft import __version__
+    from quickdraft.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"quickdraft {__version__}"

@@ -73,7 +73,7 @@ def register(sub) -> None:
 def _precision_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "float32"],
                    help="bf16-mixed: matmuls in bfloat16 under torch.autocast, weights and optimiser in float32 "
-                        "(about 2.2x faster here); float32: all of it in float32")
+                        "(faster on CPUs with AVX512-BF16); float32: all of it in float32")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
