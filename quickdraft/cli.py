@@ -92,8 +92,37 @@ def _models(args) -> int:
     return 0
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every flag's default in ``--help`` (argparse's ArgumentDefaultsHelpFormatter, but silent
+    where there is nothing to show: a default of None, a switch's False, or a help that states it),
+    keeping descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        if shown and "%(default)" not in help and "default" not in help.lower():
+            help += (" " if help else "") + "(default: %(default)s)"
+        return help
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` and every subcommand under it the HelpFormatter; a flag without a help text
+    gets one that shows its default (each command registers its own parser, so this runs once over
+    the finished tree)."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:  # argparse keeps subcommands in a private action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
+        elif action.help is None and action.option_strings and action.default not in (None, False):
+            action.help = "(default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from quickdraft import __version__
+
     parser = argparse.ArgumentParser(prog="quickdraft", description="Lossless speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"quickdraft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -120,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.register(sub)
     train_cli.register(sub)
     advise.register(sub)
+    show_defaults(parser)
     return parser
 
 

@@ -15,7 +15,7 @@ a cycle: 512-bit operations run as two 256-bit halves). Where the block kernels 
 Intel Xeon with AMX-INT8), the blocks are timed a second time with AMX off, in the same rounds.
 
     python -m quickdraft.bench.matrix --model qwen2.5-coder-1.5b-instruct --tensor blk.0.ffn_gate.weight \
-        --plot docs/figures/gguf_rows.png
+        --plot docs/benchmarks/archive/gguf-cost-by-rows-amd/gguf_rows.png
 """
 
 from __future__ import annotations

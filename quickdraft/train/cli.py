@@ -60,7 +60,7 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for LoRA, 2e-5 for a full fine-tune")
     p.add_argument("--seed", type=int, default=0)
     # LoRA by default: at equal steps it reached a lower KL than the full fine-tune with half the
-    # training memory (docs/figures/lora/README.md)
+    # training memory (docs/benchmarks/archive/lora-vs-full-finetune/README.md)
     p.add_argument("--lora-rank", type=int, default=16, help="train LoRA adapters of this rank (through peft) and "
                                                              "merge them into the saved weights; 0: a full fine-tune")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (default 2 x rank)")
@@ -73,7 +73,7 @@ def register(sub) -> None:
 def _precision_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "float32"],
                    help="bf16-mixed: matmuls in bfloat16 under torch.autocast, weights and optimiser in float32 "
-                        "(about 2.2x faster here); float32: all of it in float32")
+                        "(faster on CPUs with AVX512-BF16); float32: all of it in float32")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
