@@ -235,6 +235,7 @@ inline void tile(const Rows& x, const uint8_t* T, const float* bias, const Out& 
       simd::Partial part[MB];
       for (int j = 0; j < MB; ++j) part[j] = simd::begin(F::INIT_OFFSET ? x.init[(m0 + j) * nb + b] : 0);
       const Unpacked<KIND> u(p);
+#pragma GCC unroll 16  // whole: the regroup test below is then decided at compile time
       for (int v = 0; v < u.HALF; ++v) {
         simd::B64 w0, w1;
         u.pair(v, w0, w1);
