@@ -1,0 +1,44 @@
+"""CPU threads for torch and the native kernels: how many, and how they wait.
+
+Both run their parallel loops on one OpenMP runtime (libgomp). By default libgomp's threads
+spin-wait, at a barrier or between two parallel regions, for up to 300,000 iterations before
+they sleep. On cores that another process also wants, a thread that spins holds a core the
+thread it waits for needs, and every parallel region waits out a time slice of the scheduler:
+with one other busy process on this 2-core machine a step took 5x to 20x its time alone. A
+*passive* wait sleeps at once and gives the core back, so a busy machine costs about its share.
+
+Terms: the *wait policy* is ``OMP_WAIT_POLICY`` (passive: sleep at once); libgomp reads it once,
+when it is loaded (with ``import torch``), so ``use_passive_waits`` must run before that. The
+*thread count* is torch's intra-op threads (``torch.set_num_threads``), which the kernels' parallel
+regions follow too (both ask the calling thread's OpenMP setting).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from quickdraft.errors import ConfigError
+
+# the variables a user sets to choose libgomp's waits; any of them set leaves the choice to them
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def use_passive_waits() -> bool:
+    """Make OpenMP threads wait passively, unless the user chose a policy or the runtime is
+    already loaded (then it is too late to choose). True where this call set it."""
+    if "torch" in sys.modules or any(v in os.environ for v in WAIT_VARIABLES):
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
+def set_threads(threads: int) -> None:
+    """Run torch and the kernels on ``threads`` threads. Without a call they run on torch's
+    default: one thread per physical core the process may run on (its CPU affinity), or
+    ``$OMP_NUM_THREADS``."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"threads must be an integer >= 1, got {threads!r}", "threads")
+    import torch
+
+    torch.set_num_threads(threads)
