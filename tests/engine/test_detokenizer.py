@@ -117,3 +117,21 @@ def test_decoders_that_look_across_tokens(build):
     rng = random.Random(2)
     for _ in range(300):
         feed([rng.randrange(tok.get_vocab_size()) for _ in range(rng.randint(1, 30))], decode, rng)
+
+
+@pytest.mark.parametrize("build", [_sentencepiece_like, _wordpiece])
+def test_the_window_stays_short(build):
+    """Token by token over 2,000 words, each update decodes a few tokens, never the whole output
+    (the window moves on after each commit, also where a decoder strips a space)."""
+    tok = build()
+    words = [i for t, i in tok.get_vocab().items() if not t.startswith(("<", "[")) and t != "▁"]
+    rng = random.Random(3)
+    out: list[int] = []
+    detok = IncrementalDetokenizer(out, lambda ids: tok.decode(list(ids)))
+    most = 0
+    for _ in range(2000):
+        out.append(rng.choice(words))
+        before = detok.decoded_tokens
+        detok.update()
+        most = max(most, detok.decoded_tokens - before)
+    assert detok.text == tok.decode(out) and most <= 8
