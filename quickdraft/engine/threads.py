@@ -6,8 +6,8 @@ they sleep. On cores that another process also wants, a thread that spins holds 
 thread it waits for needs, and every parallel region can wait out a time slice of the
 scheduler. A *passive* wait sleeps at once and gives the core back. Measured with SmolLM2-135M
 (``quickdraft generate``, 48 tokens, 2 threads) on a 2-core AMD EPYC that other work kept busy
-(load average 4 to 9): 2 to 15 tokens/s with libgomp's default waits, 50 to 57 with passive ones;
-with one more CPU-bound process, 2 to 5 against 84 to 88 (medians of 3 runs in each case).
+(load average 4 to 9), median of 3 runs: 7.9 tokens/s with libgomp's default waits, 54.6 with
+passive ones; with one more CPU-bound process beside it, 4.6 against 84.8.
 
 Terms: the *wait policy* is ``OMP_WAIT_POLICY`` (passive: sleep at once); libgomp reads it once,
 when it is loaded (with ``import torch``), so ``use_passive_waits`` must run before that. The
