@@ -4,6 +4,7 @@ choice reaches the OpenMP runtime (it is made before torch loads it), and ``--th
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -45,12 +46,18 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def test_threads_flag_sets_torchs_threads(monkeypatch, restore_threads):
+def openmp_threads() -> int:
+    """The OpenMP runtime's thread count for this thread: what the kernels' parallel regions use
+    (torch's libgomp, loaded already, answers to its name)."""
+    return ctypes.CDLL("libgomp.so.1").omp_get_max_threads()
+
+
+def test_threads_flag_sets_torchs_and_the_kernels_threads(monkeypatch, restore_threads):
     seen = []
-    monkeypatch.setattr(cli, "_generate", lambda args: seen.append(torch.get_num_threads()) or 0)
+    monkeypatch.setattr(cli, "_generate", lambda args: seen.append((torch.get_num_threads(), openmp_threads())) or 0)
     torch.set_num_threads(2)
-    assert cli.main(["generate", "hi", "--threads", "1"]) == 0 and seen == [1]
-    assert cli.main(["generate", "hi"]) == 0 and seen == [1, 1]  # no flag: left as it is
+    assert cli.main(["generate", "hi", "--threads", "1"]) == 0 and seen == [(1, 1)]
+    assert cli.main(["generate", "hi"]) == 0 and seen == [(1, 1)] * 2  # no flag: left as it is
 
 
 def test_bad_threads_flag_is_a_clear_error(capsys):
