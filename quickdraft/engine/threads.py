@@ -10,13 +10,14 @@ scheduler. A *passive* wait sleeps at once and gives the core back. Measured wit
 passive ones; with one more CPU-bound process beside it, 4.6 against 84.8.
 
 Terms: the *wait policy* is ``OMP_WAIT_POLICY`` (passive: sleep at once); libgomp reads it once,
-when it is loaded (with ``import torch``), so ``use_passive_waits`` must run before that. The
+when it is loaded (with ``import torch``), so ``passive_waits`` must be around that import. The
 *thread count* is torch's intra-op threads (``torch.set_num_threads``), which the kernels' parallel
 regions follow too (both ask the calling thread's OpenMP setting).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -26,13 +27,20 @@ from quickdraft.errors import ConfigError
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def use_passive_waits() -> bool:
-    """Make OpenMP threads wait passively, unless the user chose a policy or the runtime is
-    already loaded (then it is too late to choose). True where this call set it."""
-    if "torch" in sys.modules or any(v in os.environ for v in WAIT_VARIABLES):
-        return False
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return True
+@contextlib.contextmanager
+def passive_waits():
+    """Within: OpenMP threads are made to wait passively when the runtime loads (import torch
+    here), unless the user chose a policy or it is loaded already (then it is too late). The
+    variable is set only meanwhile, so child processes (a peer server the bench starts, built
+    with OpenMP too) keep their own default."""
+    chosen = "torch" in sys.modules or any(v in os.environ for v in WAIT_VARIABLES)
+    if not chosen:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        if not chosen:
+            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def set_threads(threads: int) -> None:

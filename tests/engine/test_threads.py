@@ -19,24 +19,27 @@ from quickdraft.models.tiny import random_weights, tiny_config
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def runtime_settings(**env: str) -> str:
-    """What libgomp prints of its settings when it loads, in a fresh process that imports quickdraft."""
+def runtime_settings(**env: str) -> tuple[str, str]:
+    """(what libgomp prints of its settings when it loads, $OMP_WAIT_POLICY afterwards) in a fresh
+    process that imports quickdraft."""
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", "import quickdraft, torch; torch.ones(4).sum()"], cwd=ROOT,
-                         env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env}, capture_output=True, text=True, check=True)
-    return out.stderr
+    code = "import os, quickdraft, torch; torch.ones(4).sum(); print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env},
+                         capture_output=True, text=True, check=True)
+    return out.stderr, out.stdout.strip()
 
 
 def test_openmp_waits_passively():
     """libgomp shows its default, spinning 300,000 times before it sleeps, as 'PASSIVE' too: the
-    spin count tells them apart."""
-    assert "GOMP_SPINCOUNT = '0'" in runtime_settings()
+    spin count tells them apart. Child processes do not inherit the setting."""
+    settings, variable = runtime_settings()
+    assert "GOMP_SPINCOUNT = '0'" in settings and variable == "None"
 
 
 @pytest.mark.parametrize("env, shown", [({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP_WAIT_POLICY = 'ACTIVE'"),
                                         ({"GOMP_SPINCOUNT": "1234"}, "GOMP_SPINCOUNT = '1234'")])
 def test_a_users_wait_policy_is_kept(env, shown):
-    assert shown in runtime_settings(**env)
+    assert shown in runtime_settings(**env)[0]
 
 
 @pytest.fixture
