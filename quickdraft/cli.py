@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+from quickdraft.engine.threads import set_threads
 from quickdraft.errors import QuickdraftError
 
 
@@ -27,6 +28,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "--dtype being the activations'; none: dequantize them to --dtype; auto (default): gguf "
                         "where quickdraft's CPU kernels run (see `quickdraft check`), else none")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the model (default: one per physical core this process may run on); "
+                        "OpenMP threads wait passively unless $OMP_WAIT_POLICY or $GOMP_SPINCOUNT says otherwise")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None:  # the commands with the model flags
+            set_threads(args.threads)
         return args.func(args)
     except QuickdraftError as e:
         print(f"error: {e.message}", file=sys.stderr)

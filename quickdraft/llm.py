@@ -12,6 +12,7 @@ from __future__ import annotations
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.sequence import RequestOutput
+from quickdraft.engine.threads import set_threads
 from quickdraft.models.loader import LoadedModel
 from quickdraft.sampling import SamplingParams
 
@@ -19,7 +20,12 @@ from quickdraft.sampling import SamplingParams
 class LLM:
     def __init__(self, model: "str | LoadedModel", speculative_config: "dict | str | SpeculativeConfig | None" = None,
                  dtype: str = "bfloat16", device: str = "cpu", max_model_len: int | None = None,
-                 max_num_seqs: int = 8, quantization: str | None = "auto", enable_prefix_caching: bool = True):
+                 max_num_seqs: int = 8, quantization: str | None = "auto", enable_prefix_caching: bool = True,
+                 threads: int | None = None):
+        """``threads``: CPU threads for torch and the kernels, process-wide (default: torch's, one per
+        physical core this process may run on; see engine/threads.py)."""
+        if threads is not None:
+            set_threads(threads)
         name = model if isinstance(model, str) else model.source
         config = EngineConfig(
             model=name, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -14,6 +14,7 @@ import time
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.cost import TRUSTED_PASSES, Acceptance, calibrate, expected_tokens, plan_draft_lengths
+from quickdraft.engine.detokenizer import IncrementalDetokenizer
 from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
@@ -84,6 +85,10 @@ class Engine:
             if self.grammars is None:
                 raise ConfigError("structured outputs need the model's tokenizer, and this model has none", "structured")
             seq.grammar = self.grammars.matcher(params.structured)
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need the model's tokenizer, and this model has none", "stop")
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(seq.output_token_ids, self.tokenizer.decode)
         self.scheduler.add(seq)
         return request_id
 
@@ -186,8 +191,9 @@ class Engine:
                 seq.output_logprobs.append(r.logprobs[emitted - 1])
             if done:
                 break
-        if seq.finish_reason != "stop" or not seq.params.stop:
-            seq.text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""
+        if seq.detokenizer is not None and (seq.finish_reason != "stop" or not seq.params.stop):
+            seq.detokenizer.update()  # (a stop string has already updated it and cut seq.text)
+            seq.text = seq.detokenizer.text
         self._track_acceptance(seq, r)
         seq.spec.record(r.num_drafts, r.num_accepted, emitted, r.positions)
         self.stats.record(r.num_drafts, r.num_accepted, emitted, r.positions)
@@ -210,17 +216,13 @@ class Engine:
         if token in self.eos_token_ids and not p.ignore_eos:
             seq.finish("stop")
             return True
-        seq.output_token_ids.append(token)
+        seq.append(token)
         if seq.grammar is not None and not seq.grammar.advance(token):
             seq.finish("error", f"the output left its grammar: {seq.grammar.error}")
             return True
-        if p.stop:
-            seq.text = self.tokenizer.decode(seq.output_token_ids)
-            hit = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                seq.text = seq.text[:hit]
-                seq.finish("stop")
-                return True
+        if p.stop and self._hit_stop(seq):
+            seq.finish("stop")
+            return True
         if seq.grammar is not None and seq.grammar.terminated:  # complete: nothing may follow
             seq.finish("stop")
             return True
@@ -228,6 +230,20 @@ class Engine:
             seq.finish("length")
             return True
         return False
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        """Whether the output now holds one of the request's stop strings; if so, its text is cut
+        before the first. Only the text that changed is searched, from as far back as the longest
+        stop string reaches into the text that did not: earlier text held none (it was searched
+        token by token), so the first occurrence is found as in the whole text."""
+        stops = seq.params.stop
+        unchanged = seq.detokenizer.update()
+        seq.text = text = seq.detokenizer.text
+        start = max(0, unchanged - max(map(len, stops)) + 1)
+        hit = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
+        if hit >= 0:
+            seq.text = text[:hit]
+        return hit >= 0
 
     def close(self) -> None:
         """Let the proposer write what must outlive the process (suffix's cache); the engine is not

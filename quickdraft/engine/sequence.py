@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.engine.cost import Acceptance
+from quickdraft.engine.detokenizer import IncrementalDetokenizer
 from quickdraft.sampling import SamplingParams
 from quickdraft.structured import GrammarMatcher
 
@@ -140,11 +141,25 @@ class Sequence:
     acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (engine/cost.py)
     steps_without_drafts: int = 0  # decoding steps since its last draft (for probing)
     grammar: GrammarMatcher | None = None  # params.structured's state after output_token_ids
+    detokenizer: IncrementalDetokenizer | None = None  # output_token_ids' text, kept up to date by the engine
     _reported: int = 0  # output tokens already handed out in a RequestOutput
+    _token_ids: list[int] = field(init=False, repr=False)  # prompt + output, appended as the output grows
+
+    def __post_init__(self) -> None:
+        self._token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append(self, token: int) -> None:
+        """Add one output token (to ``output_token_ids`` and ``token_ids`` alike)."""
+        self.output_token_ids.append(token)
+        self._token_ids.append(token)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + output as one list, appended to rather than rebuilt at every call: read it,
+        never change it. Rebuilt only where the output was changed without ``append``."""
+        if len(self._token_ids) != len(self):
+            self._token_ids = self.prompt_token_ids + self.output_token_ids
+        return self._token_ids
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -1,0 +1,74 @@
+"""CPU threads (engine/threads.py): OpenMP waits passively unless the user chose otherwise, the
+choice reaches the OpenMP runtime (it is made before torch loads it), and ``--threads`` /
+``LLM(threads=...)`` set the thread count."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quickdraft import LLM, cli
+from quickdraft.models.loader import LoadedModel
+from quickdraft.models.tiny import random_weights, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def runtime_settings(**env: str) -> tuple[str, str]:
+    """(what libgomp prints of its settings when it loads, $OMP_WAIT_POLICY afterwards) in a fresh
+    process that imports quickdraft."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import os, quickdraft, torch; torch.ones(4).sum(); print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env},
+                         capture_output=True, text=True, check=True)
+    return out.stderr, out.stdout.strip()
+
+
+def test_openmp_waits_passively():
+    """libgomp shows its default, spinning 300,000 times before it sleeps, as 'PASSIVE' too: the
+    spin count tells them apart. Child processes do not inherit the setting."""
+    settings, variable = runtime_settings()
+    assert "GOMP_SPINCOUNT = '0'" in settings and variable == "None"
+
+
+@pytest.mark.parametrize("env, shown", [({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP_WAIT_POLICY = 'ACTIVE'"),
+                                        ({"GOMP_SPINCOUNT": "1234"}, "GOMP_SPINCOUNT = '1234'")])
+def test_a_users_wait_policy_is_kept(env, shown):
+    assert shown in runtime_settings(**env)[0]
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def openmp_threads() -> int:
+    """The OpenMP runtime's thread count for this thread: what the kernels' parallel regions use
+    (torch's libgomp, loaded already, answers to its name)."""
+    return ctypes.CDLL("libgomp.so.1").omp_get_max_threads()
+
+
+def test_threads_flag_sets_torchs_and_the_kernels_threads(monkeypatch, restore_threads):
+    seen = []
+    monkeypatch.setattr(cli, "_generate", lambda args: seen.append((torch.get_num_threads(), openmp_threads())) or 0)
+    torch.set_num_threads(2)
+    assert cli.main(["generate", "hi", "--threads", "1"]) == 0 and seen == [(1, 1)]
+    assert cli.main(["generate", "hi"]) == 0 and seen == [(1, 1)] * 2  # no flag: left as it is
+
+
+def test_bad_threads_flag_is_a_clear_error(capsys):
+    assert cli.main(["generate", "hi", "--threads", "0"]) == 2
+    assert "threads must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_llm_threads(restore_threads):
+    config = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
+    LLM(LoadedModel(config, random_weights(config, seed=0), None, "tiny"), threads=1, dtype="float32")
+    assert torch.get_num_threads() == 1
