@@ -202,6 +202,7 @@ def _structured_outputs(so: dict | None) -> StructuredSpec | None:
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt's logprobs alone (as vLLM)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
@@ -213,6 +214,9 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "best_of is not supported by quickdraft (only best_of == n)", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported by quickdraft", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1, or 0 with echo: true (the prompt's logprobs alone)",
+                           param="max_tokens")
         p = self.prompt
         if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
             raise APIError(400, "prompt must not be empty", param="prompt")
