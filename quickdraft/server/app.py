@@ -41,7 +41,8 @@ from quickdraft.server.guard import CatchAll, internal_error, request_id
 from quickdraft.server.limits import DEFAULT_MAX_BODY_BYTES, PromptBound, check_depth, check_unicode, read_body
 from quickdraft.server.metrics import CONTENT_TYPE
 from quickdraft.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, parse_request,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, openapi_body,
+    parse_request,
 )
 from quickdraft.server.streaming import SSE_DONE, IncrementalText, sse
 from quickdraft.server import tools as tooling
@@ -90,10 +91,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.get("/metrics")(api.metrics_route)
     app.get("/v1/models")(api.models)
     app.get("/tokenizer_info")(api.tokenizer_info)
-    app.post("/tokenize")(api.tokenize)
-    app.post("/detokenize")(api.detokenize)
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))(api.tokenize)
+    app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))(api.detokenize)
+    app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))(api.completions)
+    app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))(api.chat_completions)
     return app
 
 

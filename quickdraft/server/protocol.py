@@ -322,6 +322,23 @@ _UNION_HINTS = {
 }
 
 
+def openapi_body(model: type[_Strict]) -> dict:
+    """The route's ``requestBody`` for the OpenAPI document (``/openapi.json``): the model's JSON
+    schema with its ``$defs`` inlined (none is recursive), so that clients and schema-driven
+    fuzzers see what the route validates (the routes read the raw body themselves)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def parse_request(model: type[_Strict], body: Any) -> _Strict:
     """Validate a decoded JSON body; any problem becomes an APIError 400 naming the field."""
     if not isinstance(body, dict):
