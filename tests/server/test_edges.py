@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 
 import httpx
 import pytest
@@ -148,3 +149,20 @@ def test_body_at_the_limit_is_read(edge_server):
 def test_server_healthy_after_hostile_input(edge_server):
     assert edge_server.health()["status"] == "ok"
     assert "Exception in ASGI application" not in edge_server.log() and "Traceback" not in edge_server.log()
+
+
+@pytest.mark.parametrize("head", [
+    b"X-A: a\rb\r\nContent-Length: 2\r\n",  # a bare CR in a header
+    b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n",  # CL + TE, a smuggling attempt
+    b"Content-Length: 2\r\nContent-Length: 3\r\n",  # conflicting lengths
+], ids=["bare-cr", "cl-te", "two-lengths"])
+def test_malformed_http_gets_uvicorns_plain_400(edge_server, head):
+    """Malformed HTTP never reaches the app: uvicorn answers a plain-text 400 and closes the
+    connection (docs/serving-errors.md says so)."""
+    with socket.create_connection(("127.0.0.1", edge_server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400 ") and b"content-type: text/plain" in reply.lower()
+    assert reply.endswith(b"\r\n\r\nInvalid HTTP request received.")
