@@ -11,7 +11,9 @@ generator is cancelled), and by polling ``Request.is_disconnected`` while a non-
 waits; either way the group is aborted and its KV slots are freed at the next engine step.
 
 Every refusal is counted in ``quickdraft:request_failure{reason}``; every accepted request ends in
-a response, an error response, or an error event.
+a response, an error response, or an error event. A body is bounded (size, depth, Unicode, prompt
+length: ``limits.py``) before any model work, and an unexpected error becomes a 500 with a request
+id (``guard.py``); docs/serving-errors.md lists what a client sees.
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ class _Api:
     # -- generation -------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: CompletionRequest = await self._parse(request, CompletionRequest)
+        self._check_capacity(req, len(req.prompts()))  # before tokenizing them all
         prompts = []
         for p in req.prompts():
             if isinstance(p, list):
@@ -298,11 +301,15 @@ class _Api:
             logit_bias=req.bias(), min_tokens=min(req.min_tokens or 0, limit), structured=structured,
         )
 
+    def _check_capacity(self, req, num_prompts: int) -> None:
+        choices = (req.n or 1) * num_prompts
+        if choices > self.capacity:
+            raise APIError(400, f"{choices} choices exceed what this server can ever hold "
+                           f"({self.capacity}: --max-num-seqs + --max-queue)", param="n")
+
     async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
         n = req.n or 1
-        if n * len(prompts) > self.capacity:
-            raise APIError(400, f"{n * len(prompts)} choices exceed what this server can ever hold "
-                           f"({self.capacity}: --max-num-seqs + --max-queue)", param="n")
+        self._check_capacity(req, len(prompts))
         for p in prompts:
             self._check_context(req, len(p), chat)
         self._check_ids(req.bias(), "logit_bias keys must be token ids that", "logit_bias")

@@ -46,6 +46,8 @@ CASES = [
      "the prompt has at least", "messages", "context_length_exceeded"),
     ("top-p-below-float32", CHAT, {"model": MODEL, "messages": [{"role": "tool"}], "top_p": 5e-324, "max_tokens": 4},
      200, None, None, None),  # found by test_fuzz: float32 rounds it to 0, which once emptied the nucleus
+    ("many-prompts", C, {"model": MODEL, "prompt": ["x " * 1000] * 1000}, 400,
+     "1000 choices exceed what this server can ever hold", "n", 400),  # refused before tokenizing them
     ("max-tokens-0-without-echo", C, {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400,
      "max_tokens must be at least 1, or 0 with echo", "max_tokens", 400),
 ]
