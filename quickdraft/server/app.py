@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -40,7 +39,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.async_engine import AsyncEngine, Group
 from quickdraft.server.guard import CatchAll, internal_error, request_id
-from quickdraft.server.limits import DEFAULT_MAX_BODY_BYTES, PromptBound, check_depth, check_unicode, read_body
+from quickdraft.server.limits import DEFAULT_MAX_BODY_BYTES, PromptBound, decode_body, read_body
 from quickdraft.server.metrics import CONTENT_TYPE
 from quickdraft.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, openapi_body,
@@ -155,13 +154,7 @@ class _Api:
         if self.settings.draining:
             raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
-        raw = await read_body(request, self.settings.max_body_bytes)
-        check_depth(raw)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        check_unicode(raw, body)
+        body = await decode_body(await read_body(request, self.settings.max_body_bytes))
         req = parse_request(model, body)
         optional = model in (TokenizeRequest, DetokenizeRequest)  # vLLM's tokenizer routes may leave it out
         if not (optional and req.model is None) and req.model not in self.settings.served_model_names:
