@@ -100,12 +100,22 @@ def test_loglikelihoods_equal_teacher_forcing(edge_server, smollm2_tokenizer, te
     assert eos_seen >= 2  # the case lm-evaluation-harness scored wrong is covered
 
 
-def test_eos_entry_without_echo(edge_server):
-    """Without echo too: one logprob entry per completion token, the end of sequence counted."""
-    out = _post(edge_server, {"prompt": CHAT_HEAD.format("Say OK.") + "OK.", "max_tokens": 5, "logprobs": 0})
+@pytest.mark.parametrize("name", ["edge_server", "ngram_server"])
+def test_eos_entry_without_echo(request, name):
+    """Without echo too: one logprob entry per completion token, the end of sequence's last and
+    counted; the same under speculation (ngram K=4), where the reply's tokens come several a step."""
+    server = request.getfixturevalue(name)
+    out = _post(server, {"prompt": CHAT_HEAD.format("Say OK.") + "OK.", "max_tokens": 5, "logprobs": 0})
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["text"] == ""
     assert choice["logprobs"]["tokens"] == ["<|im_end|>"] and out["usage"]["completion_tokens"] == 1
+    body = {"prompt": "One, two, three, four, five, one, two, three, four, five, one, two,", "max_tokens": 40,
+            "logprobs": 1, "return_token_ids": True}
+    choice, usage = (out := _post(server, body))["choices"][0], out["usage"]
+    entries = len(choice["logprobs"]["tokens"])
+    assert usage["completion_tokens"] == entries == len(choice["token_ids"]) + (choice["finish_reason"] == "stop")
+    streamed = _stream(server, body)
+    assert _joined(streamed) == choice["logprobs"]
 
 
 def test_max_tokens_zero_with_echo_gives_the_prompt(edge_server, smollm2_tokenizer, teacher):
