@@ -95,7 +95,7 @@ def _check(r: httpx.Response, case) -> None:
         r.json()
 
 
-def test_fuzz_from_openapi(edge_server):
+def test_fuzz_from_openapi(edge_server, capsys):
     with httpx.Client(base_url=edge_server.url, headers=edge_server.headers, timeout=120) as client:
         before = client.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"]
         schema = client.get("/openapi.json").json()
@@ -115,7 +115,8 @@ def test_fuzz_from_openapi(edge_server):
             run = seed(int(SEED))(run)
         run()
         ran = sum(statuses.values())
-        print(f"\nfuzz: {ran} cases from /openapi.json, statuses {dict(sorted(statuses.items()))}")
+        with capsys.disabled():  # shown in a plain `make test` too
+            print(f"\nfuzz: {ran} cases from /openapi.json, statuses {dict(sorted(statuses.items()))}")
         assert client.get("/health").json()["status"] == "ok"
         assert client.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"] == before
     assert ran >= CASES and statuses.get(200, 0) > 0 and any(400 <= s < 500 for s in statuses)
