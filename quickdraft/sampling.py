@@ -226,7 +226,8 @@ def _cutoffs(scaled: Tensor, top_k: Tensor, top_p: Tensor, width: int) -> tuple[
     before = torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative[:, :-1]], dim=-1)  # [M, width]
     p_on = top_p < 1  # [M]
     in_nucleus = before < top_p.double().unsqueeze(1)  # [M, width]
-    last = values.gather(1, (in_nucleus.sum(-1) - 1).unsqueeze(1)).squeeze(1)  # [M]
+    # clamp: a top_p that float32 rounds to 0 (5e-324) still keeps the top token
+    last = values.gather(1, (in_nucleus.sum(-1) - 1).clamp_min(0).unsqueeze(1)).squeeze(1)  # [M]
     cutoff = torch.maximum(kth, torch.where(p_on, last, float("-inf")))  # [M]
     too_narrow = (k_on & (values[:, -1] >= kth)) | (p_on & (cumulative[:, -1] < top_p.double()))
     return cutoff, too_narrow & (width < vocab)

@@ -122,6 +122,8 @@ def test_top_p_keeps_smallest_prefix_reaching_the_mass():
 def test_top_p_tiny_keeps_only_the_top_token():
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(2))
     assert torch.equal(shape(logits, top_p=1e-6), shape(logits, temperature=0.0))
+    # a top_p float32 rounds to 0 (the smallest double, which validation lets through) too
+    assert torch.equal(shape(logits, top_p=5e-324), shape(logits, temperature=0.0))
 
 
 def test_top_p_applies_after_top_k_renormalization():

@@ -187,8 +187,12 @@ class Engine:
             emitted += 1
             before = len(seq.output_token_ids)
             done = self._append(seq, token)
-            if r.logprobs is not None and len(seq.output_token_ids) > before:  # (an eos is not output)
-                seq.output_logprobs.append(r.logprobs[emitted - 1])
+            lp = r.logprobs[emitted - 1] if r.logprobs is not None else None
+            if len(seq.output_token_ids) > before:
+                if lp is not None:
+                    seq.output_logprobs.append(lp)
+            elif seq.finish_reason == "stop":  # an end of sequence: not output, yet clients score it (echo)
+                seq.eos_token_id, seq.eos_logprob = token, lp
             if done:
                 break
         if seq.detokenizer is not None and (seq.finish_reason != "stop" or not seq.params.stop):

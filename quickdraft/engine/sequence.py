@@ -115,6 +115,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one a token of token_ids, when the request asked for them
     new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one a prompt token (the first: None), if asked
+    eos_token_id: int | None = None  # the end-of-sequence token that stopped it (never in token_ids)
+    eos_logprob: TokenLogprob | None = None  # that token's logprob, when the request asked for logprobs
     num_cached_tokens: int = 0  # prompt tokens whose keys came from the prefix cache (vLLM's name)
 
 
@@ -128,6 +130,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # params.logprobs is not None: one a token
     prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: set by the prompt's pass
+    eos_token_id: int | None = None  # the end of sequence that finished it: not output, but sampled and counted
+    eos_logprob: TokenLogprob | None = None  # its logprob, where params.logprobs asks for them
     status: Status = Status.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens of token_ids whose keys/values are in the target's cache
@@ -194,5 +198,5 @@ class Sequence:
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=self.finish_time,
             logprobs=list(self.output_logprobs) if wanted else None,
             new_logprobs=self.output_logprobs[start:] if wanted else None, prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=self.num_reused,
+            eos_token_id=self.eos_token_id, eos_logprob=self.eos_logprob, num_cached_tokens=self.num_reused,
         )

@@ -11,14 +11,16 @@ generator is cancelled), and by polling ``Request.is_disconnected`` while a non-
 waits; either way the group is aborted and its KV slots are freed at the next engine step.
 
 Every refusal is counted in ``quickdraft:request_failure{reason}``; every accepted request ends in
-a response, an error response, or an error event.
+a response, an error response, or an error event. A body is bounded (size, depth, Unicode, prompt
+length: ``limits.py``) before any model work, and an unexpected error becomes a 500 with a request
+id (``guard.py``); docs/serving-errors.md lists what a client sees.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -36,9 +38,12 @@ from quickdraft.engine.sequence import RequestOutput, SpecStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.async_engine import AsyncEngine, Group
+from quickdraft.server.guard import CatchAll, internal_error, request_id
+from quickdraft.server.limits import DEFAULT_MAX_BODY_BYTES, PromptBound, decode_body, read_body
 from quickdraft.server.metrics import CONTENT_TYPE
 from quickdraft.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, parse_request,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, openapi_body,
+    parse_request,
 )
 from quickdraft.server.streaming import SSE_DONE, IncrementalText, sse
 from quickdraft.server import tools as tooling
@@ -58,6 +63,7 @@ class ServerSettings:
     num_speculative_tokens: int = 0
     retry_after_s: int = 1  # the Retry-After of a 429
     disconnect_poll_s: float = 0.25  # how often a waiting non-streaming request checks its client
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets a 413
     draining: bool = False  # set on SIGTERM: new requests get a 503 while in-flight ones finish
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -79,16 +85,17 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     api = _Api(engine, settings)
     _add_error_handlers(app, api)
+    app.add_middleware(CatchAll, on_error=lambda: engine.metrics.failure("error"))
 
     app.get("/health")(api.health)
     app.get("/version")(api.version)
     app.get("/metrics")(api.metrics_route)
     app.get("/v1/models")(api.models)
     app.get("/tokenizer_info")(api.tokenizer_info)
-    app.post("/tokenize")(api.tokenize)
-    app.post("/detokenize")(api.detokenize)
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))(api.tokenize)
+    app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))(api.detokenize)
+    app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))(api.completions)
+    app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))(api.chat_completions)
     return app
 
 
@@ -101,12 +108,6 @@ def _add_error_handlers(app: FastAPI, api: "_Api") -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return api.refuse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind))
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        api.engine.metrics.failure("error")
-        return _json_error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
 def _json_error(status: int, message: str, error_type: str, param: str | None = None,
@@ -122,6 +123,7 @@ class _Api:
         self.max_model_len = engine.engine.max_model_len
         sched = engine.engine.scheduler
         self.capacity = sched.num_slots + sched.max_queue  # choices one request can ever hold
+        self.prompt_bound = PromptBound(self.tokenizer, self.max_model_len)
 
     # -- errors -----------------------------------------------------------------------------
     def refuse(self, exc: QuickdraftError) -> JSONResponse:
@@ -152,11 +154,7 @@ class _Api:
         if self.settings.draining:
             raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        body = await decode_body(await read_body(request, self.settings.max_body_bytes))
         req = parse_request(model, body)
         optional = model in (TokenizeRequest, DetokenizeRequest)  # vLLM's tokenizer routes may leave it out
         if not (optional and req.model is None) and req.model not in self.settings.served_model_names:
@@ -222,10 +220,13 @@ class _Api:
     # -- generation -------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: CompletionRequest = await self._parse(request, CompletionRequest)
+        self._check_capacity(req, len(req.prompts()))  # before tokenizing them all
         prompts = []
         for p in req.prompts():
             if isinstance(p, list):
                 self._check_ids(p, "prompt token ids", "prompt")
+            else:
+                self.prompt_bound.check(p, "prompt")
             prompts.append(self.tokenizer.encode(p) if isinstance(p, str) else p)
         return await self._generate(request, req, prompts, chat=False)
 
@@ -239,7 +240,22 @@ class _Api:
             raise
         except Exception as e:  # a Jinja error in the model's own template, on these messages
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+        self.prompt_bound.check(text, "messages")
         return await self._generate(request, req, [self.tokenizer.encode(text)], chat=True)
+
+    def _check_context(self, req, prompt_len: int, chat: bool) -> None:
+        """vLLM's rule: a 400 unless the prompt leaves room to generate, and the prompt plus an
+        explicit max_tokens fits the context (streamed or not, whatever the number's size)."""
+        where = "messages" if chat else "prompt"
+        if prompt_len >= self.max_model_len:
+            raise APIError(400, f"the prompt has {prompt_len} tokens, but the context holds {self.max_model_len}: "
+                           "no room is left to generate", param=where, code="context_length_exceeded")
+        limit = req.token_limit if chat else req.max_tokens
+        if limit is not None and prompt_len + limit > self.max_model_len:
+            name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                           f"{prompt_len + limit} tokens ({prompt_len} in the {where}, {limit} in the completion). "
+                           f"Reduce the length of the {where} or {name}", param=name, code="context_length_exceeded")
 
     async def _structured(self, req, chat: bool) -> StructuredSpec | None:
         """The request's grammar (response_format, structured_outputs, or a tool_choice to enforce),
@@ -264,8 +280,10 @@ class _Api:
     def _params(self, req, prompt: list[int], index: int, chat: bool,
                 structured: StructuredSpec | None = None) -> SamplingParams:
         limit = req.token_limit if chat else req.max_tokens
-        if limit is None:  # chat: up to the context; completions: OpenAI's default of 16
-            limit = max(1, self.max_model_len - len(prompt)) if chat else 16
+        room = self.max_model_len - len(prompt)  # >= 1: _check_context refused the rest
+        if limit is None:  # chat: up to the context; completions: OpenAI's default of 16, as room allows
+            limit = room if chat else min(16, room)
+        limit = max(1, limit)  # max_tokens 0 (echo only) still runs the prompt pass, whose output is dropped
         seed = None if req.seed is None else (req.seed + index) % 2**64  # choices differ, reproducibly
         return SamplingParams(
             max_tokens=limit, temperature=1.0 if req.temperature is None else req.temperature,
@@ -277,16 +295,17 @@ class _Api:
             logit_bias=req.bias(), min_tokens=min(req.min_tokens or 0, limit), structured=structured,
         )
 
+    def _check_capacity(self, req, num_prompts: int) -> None:
+        choices = (req.n or 1) * num_prompts
+        if choices > self.capacity:
+            raise APIError(400, f"{choices} choices exceed what this server can ever hold "
+                           f"({self.capacity}: --max-num-seqs + --max-queue)", param="n")
+
     async def _generate(self, request: Request, req, prompts: list[list[int]], chat: bool):
         n = req.n or 1
-        if n * len(prompts) > self.capacity:
-            raise APIError(400, f"{n * len(prompts)} choices exceed what this server can ever hold "
-                           f"({self.capacity}: --max-num-seqs + --max-queue)", param="n")
+        self._check_capacity(req, len(prompts))
         for p in prompts:
-            if len(p) >= self.max_model_len:
-                raise APIError(400, f"the prompt has {len(p)} tokens, but the context holds {self.max_model_len}: "
-                               "no room is left to generate", param="messages" if chat else "prompt",
-                               code="context_length_exceeded")
+            self._check_context(req, len(p), chat)
         self._check_ids(req.bias(), "logit_bias keys must be token ids that", "logit_bias")
         structured = await self._structured(req, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -300,7 +319,8 @@ class _Api:
         self.engine.metrics.admitted(sum(len(p) for p in prompts))
         reply = _Reply(rid, req.model, chat, sum(len(p) for p in prompts), self.settings, bool(req.return_token_ids),
                        req.speculation_cap, self.tokenizer, echo=not chat and bool(req.echo),
-                       tools=chat and bool(tooling.active_tools(req.tools, req.tool_choice)))
+                       tools=chat and bool(tooling.active_tools(req.tools, req.tool_choice)),
+                       prompt_only=not chat and req.max_tokens == 0)
         try:
             first = await self._next(group, request)
         except _ClientGone:
@@ -341,7 +361,7 @@ class _Api:
         item = first
         try:
             while True:
-                index, out = item
+                index, out = item[0], reply.view(item[1])
                 if _failed(out):
                     return reply.failure(out)
                 if out.finished:
@@ -365,7 +385,7 @@ class _Api:
                     yield sse(reply.chunk(i, "", None, include_usage, role=True))
             item, echoed = first, set()
             while True:
-                index, out = item
+                index, out = item[0], reply.view(item[1])
                 if _failed(out):
                     yield sse(reply.failure_body(out))
                     return
@@ -380,7 +400,7 @@ class _Api:
                 if delta or out.finished or ((reply.token_ids or out.new_logprobs) and out.new_token_ids):
                     reason = ("tool_calls" if calls else out.finish_reason) if out.finished else None
                     yield sse(reply.chunk(index, delta, reason, include_usage, token_ids=out.new_token_ids,
-                                          logprobs=out.new_logprobs, tool_calls=calls))
+                                          logprobs=reply.scored(out.new_logprobs, out), tool_calls=calls))
                 if group.done:
                     break
                 item = await group.queue.get()
@@ -389,6 +409,11 @@ class _Api:
             if include_usage:
                 yield sse(reply.usage_chunk([final[i] for i in range(len(group.request_ids))]))
             yield SSE_DONE
+        except Exception as exc:  # the status is sent: the error becomes the stream's last event
+            rid = request_id()
+            log.exception("unhandled error in a stream of %s (request id %s)", reply.id, rid)
+            self.engine.metrics.failure("error")
+            yield sse(internal_error(exc, rid))
         finally:
             # A disconnect cancels this generator; abort what is left so its KV slots free at once.
             if not group.done:
@@ -414,7 +439,26 @@ class _Reply:
     echo: bool = False  # completions' echo: each choice's text (and logprobs) starts with its prompt
     created: int = field(default_factory=lambda: int(time.time()))
     tools: bool = False  # chat with tools: the replies' tool calls become tool_calls (server/tools.py)
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt pass's output is dropped
     _offsets: dict[int, int] = field(default_factory=dict)  # a streamed completion choice's text so far, for text_offset
+
+    def view(self, out: RequestOutput) -> RequestOutput:
+        """``out`` as this reply shows it: with ``prompt_only``, no output tokens (the engine
+        generates at least one, which vLLM's max_tokens 0 leaves out), finishing on "length"."""
+        if not self.prompt_only:
+            return out
+        reason = out.finish_reason if _failed(out) else ("length" if out.finished else None)
+        empty = None if out.logprobs is None else []
+        return dataclasses.replace(out, token_ids=[], new_token_ids=[], text="", logprobs=empty, new_logprobs=empty,
+                                   eos_token_id=None, eos_logprob=None, finish_reason=reason)
+
+    def scored(self, lps, out: RequestOutput):
+        """A completion's logprobs, with the end of sequence's entry last where one stopped it: it
+        was sampled and counted, and clients scoring a continuation (lm-evaluation-harness's
+        ``token_logprobs[ctxlen:-1]``) take the last entry to be the generated token's."""
+        if lps is None or self.chat or out.eos_logprob is None:
+            return lps
+        return [*lps, out.eos_logprob]
 
     def split_calls(self, out: RequestOutput) -> tuple[str, list[dict]]:
         """(the text to show as content so far, the tool calls of a finished reply). With tools,
@@ -469,7 +513,14 @@ class _Reply:
             at += len(text)
         self._offsets[index] = at
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-                "top_logprobs": [{self._token(i)[0]: lp for i, lp in t.top} for t in lps], "text_offset": offsets}
+                "top_logprobs": [self._top(t) for t in lps], "text_offset": offsets}
+
+    def _top(self, t) -> dict[str, float]:
+        """The legacy completions' top_logprobs: the N most likely tokens and, as OpenAI and vLLM
+        give it, the chosen token too (N + 1 entries where it is not among them)."""
+        top = {self._token(i)[0]: lp for i, lp in t.top}
+        top.setdefault(self._token(t.token_id)[0], t.logprob)
+        return top
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -496,7 +547,7 @@ class _Reply:
         """The completions API's logprobs over the prompt's tokens, then the output's."""
         if out.logprobs is None or out.prompt_logprobs is None:
             return None
-        head, body = self.prompt_logprobs(out, index), self.logprobs(out.logprobs, index)
+        head, body = self.prompt_logprobs(out, index), self.logprobs(self.scored(out.logprobs, out), index)
         return {key: head[key] + body[key] for key in head}
 
     def echo_chunk(self, out: RequestOutput, index: int, include_usage: bool) -> dict:
@@ -509,7 +560,7 @@ class _Reply:
         spec = SpecStats()
         for o in outs:
             spec.merge(o.spec)
-        completion = sum(len(o.token_ids) for o in outs)
+        completion = sum(len(o.token_ids) + (o.eos_token_id is not None) for o in outs)  # as vLLM: eos counts
         s = self.settings
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
@@ -528,8 +579,8 @@ class _Reply:
             choices = [{"index": i, "text": self.tokenizer.decode(o.prompt_token_ids) + o.text,
                         "logprobs": self.echo_logprobs(o, i), "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
         else:
-            choices = [{"index": i, "text": o.text, "logprobs": self.logprobs(o.logprobs, i), "finish_reason": o.finish_reason}
-                       for i, o in enumerate(outs)]
+            choices = [{"index": i, "text": o.text, "logprobs": self.logprobs(self.scored(o.logprobs, o), i),
+                        "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
         if self.token_ids:
             for choice, o in zip(choices, outs):
                 choice["token_ids"] = o.token_ids

@@ -47,6 +47,8 @@ def register(sub) -> None:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="a request (the next chat turn) reuses the KV cache of the longest prefix it shares with "
                         "what the engine holds; outputs are the same either way (default: on)")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="the largest request body accepted; a larger one gets 413 (default: 33554432, 32 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, wait at most this many seconds for requests in flight (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -92,6 +94,11 @@ def build_engine(args, own_thread: bool):
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}", "max_queue")
+    from quickdraft.server.limits import DEFAULT_MAX_BODY_BYTES
+
+    max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+    if max_body < 1:
+        raise ConfigError(f"--max-body-bytes must be >= 1, got {max_body}", "max_body_bytes")
     spec = speculative_config(args)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, speculative=spec,
@@ -100,7 +107,7 @@ def build_engine(args, own_thread: bool):
     names = args.served_model_name or [args.model]
     k = spec.num_speculative_tokens if spec.enabled else 0
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY"),
-                              spec_method=spec.method, num_speculative_tokens=k)
+                              spec_method=spec.method, num_speculative_tokens=k, max_body_bytes=max_body)
     return AsyncEngine(engine, ServerMetrics(names[0], k), own_thread=own_thread), settings
 
 

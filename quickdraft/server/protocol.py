@@ -202,6 +202,7 @@ def _structured_outputs(so: dict | None) -> StructuredSpec | None:
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt's logprobs alone (as vLLM)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
@@ -213,6 +214,9 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "best_of is not supported by quickdraft (only best_of == n)", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported by quickdraft", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1, or 0 with echo: true (the prompt's logprobs alone)",
+                           param="max_tokens")
         p = self.prompt
         if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
             raise APIError(400, "prompt must not be empty", param="prompt")
@@ -316,6 +320,23 @@ _UNION_HINTS = {
     "stop": "stop must be a string or a list of strings",
     "content": "content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
 }
+
+
+def openapi_body(model: type[_Strict]) -> dict:
+    """The route's ``requestBody`` for the OpenAPI document (``/openapi.json``): the model's JSON
+    schema with its ``$defs`` inlined (none is recursive), so that clients and schema-driven
+    fuzzers see what the route validates (the routes read the raw body themselves)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def parse_request(model: type[_Strict], body: Any) -> _Strict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from qd_server import API_KEY, ServerProcess
+from qd_server import API_KEY, EDGE_MAX_BODY, ServerProcess
 
 
 def _serve(request, *extra, **kw) -> ServerProcess:
@@ -34,6 +34,12 @@ def adaptive_server(request, smollm2_path) -> ServerProcess:
     """ngram up to K=4 with the default adaptive plan: which drafts are verified depends on timing."""
     return _serve(request, "--max-num-seqs", "8", "--speculative-config",
                   '{"method": "ngram", "num_speculative_tokens": 4}', log_name="adaptive")
+
+
+@pytest.fixture(scope="session")
+def edge_server(request, smollm2_path) -> ServerProcess:
+    """No speculation, a body limit of EDGE_MAX_BODY bytes: for hostile input and fuzzing."""
+    return _serve(request, "--max-num-seqs", "4", "--max-body-bytes", str(EDGE_MAX_BODY), log_name="edge")
 
 
 @pytest.fixture(scope="session")

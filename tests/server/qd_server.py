@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
+EDGE_MAX_BODY = 8_000_000  # edge_server's --max-body-bytes: above the 5 MB prompt, which the prompt bound refuses
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -30,7 +30,7 @@ CASES = [
      "max_tokenz"),
     ("temperature-range", C, {**OK, "temperature": 2.5}, None, 400, "less than or equal to 2", "temperature"),
     ("top-p-zero", C, {**OK, "top_p": 0}, None, 400, "greater than 0", "top_p"),
-    ("max-tokens-zero", C, {**OK, "max_tokens": 0}, None, 400, "greater than or equal to 1", "max_tokens"),
+    ("max-tokens-zero", C, {**OK, "max_tokens": 0}, None, 400, "at least 1, or 0 with echo", "max_tokens"),
     ("n-zero", C, {**OK, "n": 0}, None, 400, "greater than or equal to 1", "n"),
     ("top-k-range", C, {**OK, "top_k": -2}, None, 400, "greater than or equal to -1", "top_k"),
     ("token-out-of-vocab", C, {**OK, "prompt": [1, 2, 10**9]}, None, 400, "token ids must lie in", "prompt"),

@@ -114,3 +114,40 @@ def test_engine_nan_fails_only_that_sequence():
     outs = engine(True).generate_ids([[1, 2, 3], [4, 5, 6]], [p, p])
     assert outs[0].finish_reason == "error" and "non-finite" in outs[0].error and outs[0].token_ids == []
     assert outs[1].finish_reason == "length" and outs[1].token_ids == alone
+
+
+def test_unexpected_errors_become_a_500_with_a_request_id(app, monkeypatch, caplog):
+    """A bug (here: the tokenizer raising) never reaches the ASGI server (httpx's ASGI transport
+    would raise it): the client gets OpenAI's error body naming a request id, sent too as
+    X-Request-Id, and the log has the traceback once under that id. In a stream that has started,
+    the error is the last event."""
+    app, engine = app
+    tokenizer = engine.tokenizer
+
+    def broken(text):
+        raise RuntimeError("tokenizer exploded")
+
+    async def fn(c):
+        with monkeypatch.context() as m:
+            m.setattr(tokenizer, "encode", broken)
+            plain = await c.post("/v1/completions", json={**NORMAL, "prompt": "Hi"})
+        with monkeypatch.context() as m:
+            m.setattr("quickdraft.server.app.IncrementalText.delta", lambda *a: 1 / 0)
+            stream = await c.post("/v1/completions", json={**NORMAL, "stream": True})
+        after = await c.post("/v1/completions", json=NORMAL)
+        return plain, stream, after, (await c.get("/health")).json()
+
+    with caplog.at_level("ERROR", logger="quickdraft.server"):
+        plain, stream, after, health = asyncio.run(_with_client(app, fn))
+    assert plain.status_code == 500
+    err = plain.json()["error"]
+    rid = plain.headers["x-request-id"]
+    assert err == {"message": f"internal error (request id {rid}): RuntimeError: tokenizer exploded",
+                   "type": "internal_error", "param": None, "code": 500}
+    events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert stream.status_code == 200 and events[-1]["error"]["type"] == "internal_error"
+    assert "ZeroDivisionError" in events[-1]["error"]["message"] and "data: [DONE]" not in stream.text
+    stream_rid = events[-1]["error"]["message"].split("request id ")[1].split(")")[0]
+    logged = [r for r in caplog.records if r.exc_info]
+    assert [(r.getMessage().count(rid), r.getMessage().count(stream_rid)) for r in logged] == [(1, 0), (0, 1)]
+    assert after.status_code == 200 and health["running"] == 0 and health["free_slots"] == 4
