@@ -5,6 +5,8 @@
 // trick, for signed ones (FULL_U8 false: simd.h).
 #pragma once
 
+#define QD_ISA_OWN_PARTIAL 1  // its own partial sums (below), not simd.h's
+
 #include <immintrin.h>
 
 namespace simd {
@@ -148,7 +150,8 @@ inline BH32 load_bh_part(const uint16_t* p, int n) {
 }
 inline F16 dot_bf16(F16 acc, const BH32& x, const BH32& w) { return fmadd(x.odd, w.odd, fmadd(x.even, w.even, acc)); }
 
-// A block's integer sum step by step (blocks.h). vpmaddubsw's int16 pair sums are added in
+// A block's integer sum step by step (blocks.h; simd.h has the plain version the other ISAs take).
+// vpmaddubsw's int16 pair sums are added in
 // int16 for as many steps as cannot overflow it (group_steps: 8 steps of 4-bit values, 4 of 5-bit,
 // 2 of 6-bit: each pair is at most 2 x wmax x 127), and only then widened by one vpmaddwd into
 // the int32 lanes: two operations a 32 bytes a step instead of three. Exact either way.

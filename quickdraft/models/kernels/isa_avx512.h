@@ -106,17 +106,6 @@ inline BH32 load_bh_part(const uint16_t* p, int n) {
 inline F16 dot_bf16(F16 acc, BH32 x, BH32 w) { return {_mm512_fmadd_ps(x.odd, w.odd, _mm512_fmadd_ps(x.even, w.even, acc.v))}; }
 #endif
 
-// A block's integer sum step by step (blocks.h): begin at the block's starting value, add steps
-// of unsigned values up to `wmax`, regroup every group_steps(wmax) steps, end with the sum. Here
-// the products go straight into the int32 lanes, so a group is the whole block.
-using Partial = I16;
-constexpr int group_steps(int) { return 1 << 20; }
-inline Partial begin(int32_t init) { return set1_i(init); }
-inline Partial step_us(Partial p, B64 w, const int32_t* x4) { return dot_us_bcast(p, w, x4); }
-inline Partial regroup(Partial p) { return p; }
-inline I16 end(Partial p) { return p; }
-constexpr int ROW_BLOCK = 8;  // rows of x a weight tile is applied to at once (blocks.h)
-
 inline void prefetch_l1(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 

@@ -58,3 +58,21 @@ inline float from_bf16(uint16_t h) {
 #else
 #error "define one of QD_ISA_AVX512, QD_ISA_AVX2, QD_ISA_NEON, QD_ISA_PORTABLE"
 #endif
+
+// A block's integer sum step by step (blocks.h): begin at the block's starting value, add steps
+// of unsigned values up to `wmax`, regroup every group_steps(wmax) steps, end with the sum. An ISA
+// whose byte dot adds straight into int32 lanes (all but AVX2, which defines its own: isa_avx2.h)
+// takes these, where a group is the whole block.
+#if !defined(QD_ISA_OWN_PARTIAL)
+namespace simd {
+inline namespace QD_ISA_NS {
+using Partial = I16;
+constexpr int group_steps(int) { return 1 << 20; }
+inline Partial begin(int32_t init) { return set1_i(init); }
+inline Partial step_us(Partial p, B64 w, const int32_t* x4) { return dot_us_bcast(p, w, x4); }
+inline Partial regroup(Partial p) { return p; }
+inline I16 end(Partial p) { return p; }
+constexpr int ROW_BLOCK = 8;  // rows of x a weight tile is applied to at once (blocks.h)
+}  // namespace QD_ISA_NS
+}  // namespace simd
+#endif
