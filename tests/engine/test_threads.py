@@ -19,21 +19,35 @@ from quickdraft.models.tiny import random_weights, tiny_config
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def runtime_settings(**env: str) -> tuple[str, str]:
+def runtime_settings(load: float = 99.0, **env: str) -> tuple[str, str]:
     """(what libgomp prints of its settings when it loads, $OMP_WAIT_POLICY afterwards) in a fresh
-    process that imports quickdraft."""
+    process that imports quickdraft, with ``load`` as its 1-minute load average."""
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    code = "import os, quickdraft, torch; torch.ones(4).sum(); print(os.environ.get('OMP_WAIT_POLICY'))"
+    code = (f"import os; os.getloadavg = lambda: ({load}, 0.0, 0.0); import quickdraft, torch; torch.ones(4).sum(); "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env},
                          capture_output=True, text=True, check=True)
     return out.stderr, out.stdout.strip()
 
 
-def test_openmp_waits_passively():
+def test_openmp_waits_passively_where_the_cores_are_busy():
     """libgomp shows its default, spinning 300,000 times before it sleeps, as 'PASSIVE' too: the
     spin count tells them apart. Child processes do not inherit the setting."""
-    settings, variable = runtime_settings()
+    settings, variable = runtime_settings(load=99.0)
     assert "GOMP_SPINCOUNT = '0'" in settings and variable == "None"
+
+
+def test_openmp_spins_where_the_cores_are_free():
+    settings, variable = runtime_settings(load=0.0)
+    assert "GOMP_SPINCOUNT = '300000'" in settings and variable == "None"
+
+
+@pytest.mark.parametrize("load, cpus, want", [(0.3, 2, False), (1.0, 2, True), (0.9, 1, False), (1.0, 1, True),
+                                              (20.0, 64, False), (32.0, 64, True)])
+def test_busy_means_half_the_usable_cores(load, cpus, want):
+    from quickdraft.engine.threads import busy
+
+    assert busy(load, cpus) is want
 
 
 @pytest.mark.parametrize("env, shown", [({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP_WAIT_POLICY = 'ACTIVE'"),

@@ -114,12 +114,12 @@ def test_auto_gives_a_gguf_draft_q4_0_and_null_keeps_it_stored(smollm2_path, tmp
     assert "Q4_1" in stored and "Q4_0" not in stored
 
 
-def test_auto_without_the_block_kernels_keeps_the_draft_as_stored(smollm2_path, no_kernels):
-    """Where the kernels do not run, "auto" asks for no 4-bit draft: with the blocks kept anyway
-    (quantization "gguf", dequantized at each call), the draft stays as its file stores it, and
-    nothing is refused."""
+def test_auto_without_the_block_kernels_asks_for_no_4bit_draft(smollm2_path, no_kernels):
+    """Where the kernels do not run, "auto" asks for no 4-bit draft, and blocks asked for anyway
+    (quantization "gguf") are dequantized once at load, with a warning line, never at every call:
+    no matrix stays in blocks, and nothing is refused."""
     spec = SpeculativeConfig.parse({"method": "draft_model", "model": MODEL})
-    engine = Engine(EngineConfig(model=MODEL, dtype="float32", max_model_len=64, max_num_seqs=1, speculative=spec,
-                                 quantization="gguf"))
-    stored = {w.ggml_type for w in engine.proposer.model.w.values() if isinstance(w, BlockWeight)}
-    assert "Q4_1" in stored and "Q4_0" not in stored
+    with pytest.warns(UserWarning, match="dequantized once at load"):
+        engine = Engine(EngineConfig(model=MODEL, dtype="float32", max_model_len=64, max_num_seqs=1, speculative=spec,
+                                     quantization="gguf"))
+    assert not any(isinstance(w, BlockWeight) for w in engine.proposer.model.w.values())
