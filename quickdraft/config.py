@@ -14,7 +14,7 @@ from quickdraft.errors import ConfigError
 
 METHODS = ("none", "ngram", "draft_model", "suffix", "eagle3", "medusa", "layer_skip")
 TREE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle3")  # those that draft token trees (num_branches > 1)
-# Measured (README, "Truncated draft vocabulary"): on code, the Qwen pair's acceptance is the full
+# Measured (docs/features/truncated-vocabulary.md): on code, the Qwen pair's acceptance is the full
 # head's at 65536 and 32768 and drops at 16384; 65536 also holds 98% of the tokens of English docs
 # (32768: 90%), so it is the default that is safe for chat too. Qwen's head: 151936 -> 65536 rows.
 DEFAULT_DRAFT_VOCAB_SIZE: int | None = 65536
@@ -57,7 +57,7 @@ class SpeculativeConfig:
     # HumanEval prompts, Qwen pair, K = 8): 1.49x bfloat16 draft -> 1.79x int8, 5.68 -> 5.58 tokens/pass.
     # "q4_0": every matrix of the draft stored in more than 4.5 bits a weight (a GGUF draft's Q5_0,
     # Q6_K, Q8_0, or a dense draft's) quantized again to GGUF Q4_0 blocks, once, and cached: fewer
-    # bytes a draft step reads, on the CPU's block kernels (README, "A 4-bit draft").
+    # bytes a draft step reads, on the CPU's block kernels (docs/features/4bit-drafts.md).
     # eagle3, medusa: the head's matrices are served from GGUF blocks (proposers/heads.py): "auto"
     # and "int8" Q8_0 where the CPU's block kernels run (auto: else float32, as trained), "q4_0"
     # Q4_0; None: float32.

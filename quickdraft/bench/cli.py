@@ -41,7 +41,7 @@ SUITES = {
     "quick": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "limit": 2,
               "max_tokens": 64, "methods": "none,ngram,draft_model", "num_speculative_tokens": "4",
               "peers": "llama_cpp"},
-    # the README's figures, 50.5 minutes here: 4 HumanEval prompts and one
+    # the figures of docs/benchmarks/archive/bf16-standard-suite, 50.5 minutes on a 2-core AMD EPYC: 4 HumanEval prompts and one
     # MT-Bench question of each of its 8 categories (16 turns), 96 tokens, K = 2, 4, 6, 8, peers
     "standard": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench",
                  "limit": "humaneval=4,mtbench=8", "max_tokens": 96, "methods": "none,ngram,draft_model",

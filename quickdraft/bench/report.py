@@ -94,7 +94,7 @@ def peer_rows(peers: dict | None) -> list[list[str]]:
 
 
 def invariance_line(inv: dict | None) -> str:
-    """Whether this run's greedy outputs are promised equal bit for bit (README: what it covers)."""
+    """Whether this run's greedy outputs are promised equal bit for bit (docs/design/batch-invariance.md: what it covers)."""
     if inv is None:
         return "batch invariance: not recorded"
     verdict = "promised" if inv["promised"] else "NOT promised"

@@ -302,8 +302,8 @@ def load_draft(spec, ctx, check_vocabulary: bool):
         quantize = "int8" if on_cpu and quantizable() and ctx.dtype == torch.bfloat16 and not stored else None
         if stored and on_cpu and block_linear() is not None:
             # and is requantized to Q4_0 where it is stored wider: a draft step reads fewer bytes
-            # (the Qwen 0.5B: 224 against 296 MiB). Three bench runs of the Qwen pair (README, "A
-            # 4-bit draft"): 1.25x, 1.21x, 1.23x over plain decoding against 1.11x, 1.20x, 1.06x as stored
+            # (the Qwen 0.5B: 224 against 296 MiB). Three bench runs of the Qwen pair
+            # (docs/features/4bit-drafts.md): 1.25x, 1.21x, 1.23x over plain decoding against 1.11x, 1.20x, 1.06x as stored
             requant = AUTO_DRAFT_BLOCKS
     if quantize == "int8" and stored:
         raise ConfigError("the draft runs on its stored GGUF blocks, which are smaller than int8: leave the "

@@ -3,7 +3,7 @@ train on (``quickdraft train data``).
 
 Which text: existing text that the target then labels with its own distribution (EAGLE's Table 6
 measured little difference from self-distilled answers: 3.62 against 3.75 tokens a pass), because
-labelling runs at prefill speed and generating at decode speed (README, "Trained heads"). The
+labelling runs at prefill speed and generating at decode speed (docs/features/trained-heads.md). The
 default source is what every machine holds and no bench set contains: the Python sources of the
 installed packages (site-packages, their code, docstrings and comments) and their documentation
 (each distribution's ``METADATA``, its README). The benchmark packages (HumanEval, MT-Bench) and

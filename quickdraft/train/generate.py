@@ -4,7 +4,7 @@
 A head drafts the target's own continuations when it serves, so text the target wrote is the
 closest match to what it will be asked (EAGLE's Table 6: 3.75 tokens a pass on generated answers
 against 3.62 on fixed data). It costs decode speed where labelling existing text costs prefill
-speed; both are measured in the README ("Trained heads").
+speed; both are measured in docs/features/trained-heads.md.
 
 The default prompts come from the same place as the default text, never from a bench set: each
 function with a docstring in the installed packages' sources (train/data.py's corpus, benchmark

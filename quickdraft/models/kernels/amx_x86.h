@@ -34,7 +34,7 @@ inline namespace QD_ISA_NS {
 // quantization and the call): the tile operations and the epilogue did not overlap, whatever
 // the lag between a block's product and its epilogue (1 to 3 blocks tried). So AMX runs only
 // passes whose blocks of rows reach AMX_MIN_ROWS, where it beat the VNNI tile streamed from
-// memory (README, "AMX"); fewer rows stay on VNNI, whose per-row cost is lower there.
+// memory (docs/benchmarks/archive/gguf-cost-by-rows-intel-amx); fewer rows stay on VNNI, whose per-row cost is lower there.
 //
 // The tile configuration is loaded once a thread a call (ldtilecfg) and released after: torch's
 // oneDNN kernels configure their own.

@@ -256,7 +256,7 @@ inline void tile(const Rows& x, const uint8_t* T, const float* bias, const Out& 
   for (int j = 0; j < MB; ++j) y.store16((m0 + j) * N + n0, simd::add(f[j], bv));
 }
 
-// rows a block of rows needs to go to AMX (README, "AMX": the 1.5B's Q4_K ffn_gate streamed, 12
+// rows a block of rows needs to go to AMX (docs/benchmarks/archive/gguf-cost-by-rows-intel-amx: the 1.5B's Q4_K ffn_gate streamed, 12
 // rows tied with VNNI, 16 rows 0.59-0.64 ms against 0.73-0.77)
 constexpr int AMX_MIN_ROWS = 12;
 
