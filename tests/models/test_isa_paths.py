@@ -8,9 +8,9 @@ others for every float32 and GGUF-block model (tests/native covers ARM64 the sam
 
 from __future__ import annotations
 
-import gguf.quants
 import pytest
 import torch
+from test_gguf_blocks import random_blocks  # tests/models is on the path, as pytest collects it
 
 from quickdraft.models import kernels
 from quickdraft.models.ggml import BLOCKS, BlockWeight
@@ -45,9 +45,7 @@ def _bf16_exact(m) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_linear_bits_are_the_portable_ones_and_rows_are_invariant(module, reference, kind, dtype):
     rows, cols = 40, 512
-    dense = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
-    raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[kind])  # sane scales
-    w = BlockWeight.from_gguf(kind, raw, (rows, cols))
+    w = BlockWeight.from_gguf(kind, random_blocks(kind, rows, cols), (rows, cols))  # random values, sane scales
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(2)).to(dtype)
     bias = torch.randn(rows)
 
