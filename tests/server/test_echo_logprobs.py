@@ -76,7 +76,7 @@ def test_loglikelihoods_equal_teacher_forcing(edge_server, smollm2_tokenizer, te
     teacher-forced logprob of that token, the end of sequence's included (it is the last entry,
     counted in completion_tokens), so ``sum(token_logprobs[ctxlen:-1])`` is the continuation's
     loglikelihood."""
-    eos_seen = 0
+    eos_seen = eos_argmax = 0
     for context, continuation in PAIRS:
         ctx = _ids(smollm2_tokenizer, context)
         ids = _ids(smollm2_tokenizer, context + continuation)
@@ -86,6 +86,7 @@ def test_loglikelihoods_equal_teacher_forcing(edge_server, smollm2_tokenizer, te
         assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == 1
         assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
         want = teacher(ids)  # [len(ids), vocab]
+        eos_argmax += int(want[-1].argmax()) in smollm2_tokenizer.eos_token_ids
         stopped = choice["finish_reason"] == "stop"
         generated = smollm2_tokenizer.token_to_id(lp["tokens"][-1]) if stopped else choice["token_ids"][0]
         expected = [want[i - 1, ids[i]].item() for i in range(1, len(ids))] + [want[-1, generated].item()]
@@ -97,7 +98,9 @@ def test_loglikelihoods_equal_teacher_forcing(edge_server, smollm2_tokenizer, te
             assert choice["text"] == smollm2_tokenizer.decode(ids)
         # the streamed reply carries the same entries
         assert _joined(_stream(edge_server, {"prompt": ids, "max_tokens": 1, "logprobs": 1, "echo": True})) == lp
-    assert eos_seen >= 2  # the case lm-evaluation-harness scored wrong is covered
+    # the case lm-evaluation-harness scored wrong is covered: where the model ends the text (its
+    # greedy choice, which the kernel path's rounding decides for a near tie), the entry is there
+    assert eos_seen == eos_argmax >= 1
 
 
 @pytest.mark.parametrize("name", ["edge_server", "ngram_server"])
