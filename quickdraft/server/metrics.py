@@ -117,7 +117,8 @@ class ServerMetrics:
         self._last = SpecStats()
         self._last.merge(stats)
         for out in outputs:
-            self.generation_tokens.labels(m).inc(len(out.new_token_ids))
+            # the end of sequence that finished it counts, as in usage.completion_tokens (vLLM's rule)
+            self.generation_tokens.labels(m).inc(len(out.new_token_ids) + (out.finished and out.eos_token_id is not None))
             if out.first_token_time is not None and len(out.token_ids) == len(out.new_token_ids) and out.new_token_ids:
                 self.ttft.labels(m).observe(out.first_token_time - out.arrival_time)
                 self.prefix_cache_queries.labels(m).inc(len(out.prompt_token_ids))  # once: its first output
