@@ -12,16 +12,24 @@ import sys
 import time
 
 from quickdraft.engine.threads import set_threads
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import ConfigError, QuickdraftError
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model and speculative flags shared by generate, serve and bench."""
-    p.add_argument("--model", default="smollm2-135m-instruct",
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    """The model and speculative flags shared by generate, serve and bench; ``positional``: the
+    model may also come first, as ``vllm serve MODEL`` takes it (``resolve_model_args``)."""
+    if positional:
+        p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model takes it")
+    p.add_argument("--model", default=DEFAULT_MODEL,
                    help="a built-in name (see `quickdraft models`), a .gguf file or a Hugging Face directory")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: none, ngram, draft_model, suffix, eagle3, medusa, layer_skip')
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
+                   help="the activations' (and dense weights') dtype; auto: bfloat16 on the CPU kernels")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
                    help="gguf: run a GGUF model on its stored block-quantized weights (Q4_K, Q6_K, Q8_0, ...), "
@@ -30,7 +38,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: one per physical core this process may run on); "
-                        "OpenMP threads wait passively unless $OMP_WAIT_POLICY or $GOMP_SPINCOUNT says otherwise")
+                        "OpenMP threads spin while they wait, or wait passively where the cores are busy already "
+                        "(the load average), unless $OMP_WAIT_POLICY or $GOMP_SPINCOUNT says otherwise")
+
+
+def resolve_model_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The model named first (``quickdraft serve MODEL``) or with --model, and --dtype auto as the
+    dtype it means; two different models named is an error."""
+    named = getattr(args, "model_positional", None)
+    if named is not None:
+        if args.model not in (DEFAULT_MODEL, named):
+            raise ConfigError(f"two models named: {named} and --model {args.model}; name one", "model")
+        args.model = named
+    if getattr(args, "dtype", None) == "auto":
+        args.dtype = "bfloat16"
+    return args
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -46,9 +68,14 @@ def _generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    if len(args.words) > 2:
+        raise ConfigError(f"generate takes [MODEL] PROMPT, got {len(args.words)} words: quote the prompt", "prompt")
+    *model, prompt = args.words
+    if model:
+        args.model_positional = model[0]
+        resolve_model_args(args)
     llm = LLM(args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=1, quantization=args.quantization)
-    prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     with llm:
@@ -130,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("prompt")
+    g.add_argument("words", nargs="+", metavar="[MODEL] PROMPT",
+                   help="the prompt, after the model where it comes first (else --model)")
     add_model_args(g)
     add_sampling_args(g)
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
@@ -161,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        resolve_model_args(args)
         if getattr(args, "threads", None) is not None:  # the commands with the model flags
             set_threads(args.threads)
         return args.func(args)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from quickdraft.cli import main
+from quickdraft.errors import ConfigError
 from quickdraft.models import registry
 
 
@@ -104,3 +105,40 @@ def test_a_real_process_exits_2_without_traceback():
     p = subprocess.run([sys.executable, "-m", "quickdraft.cli", "generate", "x", "--speculative-config", "[1]"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "JSON object" in p.stderr
+
+
+def test_the_model_may_come_first_as_vllm_takes_it():
+    from quickdraft.cli import build_parser, resolve_model_args
+    from quickdraft.server.cli import args_from_dict
+
+    serve = lambda *argv: resolve_model_args(build_parser().parse_args(["serve", *argv]))  # noqa: E731
+    assert serve("qwen2.5-coder-1.5b-instruct").model == "qwen2.5-coder-1.5b-instruct"
+    assert serve("--model", "qwen2.5-coder-1.5b-instruct").model == "qwen2.5-coder-1.5b-instruct"
+    assert serve().model == "smollm2-135m-instruct"
+    assert serve("x.gguf", "--model", "x.gguf").model == "x.gguf"
+    with pytest.raises(ConfigError, match="two models named: a.gguf and --model b.gguf"):
+        serve("a.gguf", "--model", "b.gguf")
+    assert serve("--dtype", "auto").dtype == "bfloat16" and serve("--dtype", "float32").dtype == "float32"
+    assert args_from_dict({"model": "m.gguf", "dtype": "auto"}, "a test").dtype == "bfloat16"
+
+
+def test_generate_takes_model_then_prompt(monkeypatch):
+    from quickdraft import cli
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(model, **kw):
+        seen.append(model)
+        raise Stop
+
+    monkeypatch.setattr("quickdraft.LLM", fake_llm)
+    for argv, model in ([["generate", "hello there"], "smollm2-135m-instruct"],
+                        [["generate", "my.gguf", "hello there"], "my.gguf"],
+                        [["generate", "hello", "--model", "other.gguf"], "other.gguf"]):
+        with pytest.raises(Stop):
+            cli.main(argv)
+        assert seen[-1] == model
+    assert cli.main(["generate", "a", "b", "c"]) == 2  # three words: the prompt unquoted

@@ -13,10 +13,11 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 
 import uvicorn
 
-from quickdraft.cli import add_model_args
+from quickdraft.cli import DEFAULT_MODEL, add_model_args, resolve_model_args
 
 # With "adaptive": false, speculation turns off for a step with at least this many running
 # sequences, unless --speculative-disable-by-batch-size or the JSON key says otherwise (the
@@ -32,7 +33,7 @@ NEGATABLE = ("--enable-prefix-caching",)  # switches that are on by default and 
 
 def register(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
-    add_model_args(s)
+    add_model_args(s, positional=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $QUICKDRAFT_API_KEY)")
@@ -141,7 +142,7 @@ def args_from_dict(values: dict, context: str) -> argparse.Namespace:
             continue
         argv += [flag, *shlex.split(text)] if flag == "--served-model-name" else [flag, text]
     try:
-        return build_parser().parse_args(argv)
+        return resolve_model_args(build_parser().parse_args(argv))
     except SystemExit:  # argparse has printed what is wrong
         raise ConfigError(f"bad quickdraft serve arguments in {context}: {argv[1:]}") from None
 
@@ -159,6 +160,9 @@ def serve(args) -> int:
         from quickdraft.errors import ConfigError
 
         raise ConfigError(f"{', '.join(ray_only_flags(args))} place Ray Serve replicas: add --ray", "ray")
+    if getattr(args, "model_positional", None) is None and args.model == DEFAULT_MODEL:  # vLLM would refuse
+        print(f"quickdraft serve: no model named, serving the built-in {DEFAULT_MODEL} "
+              "(name one: quickdraft serve MODEL)", file=sys.stderr)
     async_engine, settings, app = build(args, own_thread=False)
     engine, spec, names = async_engine.engine, async_engine.engine.config.speculative, settings.served_model_names
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
