@@ -65,9 +65,9 @@ def resolve_quantization(path: Path, device: str | torch.device, quantization: s
     if quantization == "auto":
         return "gguf" if not path.is_dir() and kernels else None
     if quantization == "gguf" and not path.is_dir() and not kernels:
-        warnings.warn(f"quickdraft: no GGUF block kernels on {torch.device(device)} "
-                      f"({'the CPU kernels did not build' if torch.device(device).type == 'cpu' else 'a CPU-only path'}): "
-                      f"{path.name}'s blocks are dequantized once at load, to the model's dtype", stacklevel=3)
+        why = "the CPU kernels did not build" if torch.device(device).type == "cpu" else "they run on the CPU only"
+        warnings.warn(f"quickdraft: no GGUF block kernels on {torch.device(device)} ({why}): {path.name}'s blocks "
+                      "are dequantized once at load, to the model's dtype", stacklevel=3)
         return None
     return None if quantization == "none" else quantization
 

@@ -62,6 +62,16 @@ def test_every_isa_this_cpu_runs(tmp_path):
     print(run([str(exe), *names]), "for", " ".join(names))
 
 
+def test_avx512_without_bf16(tmp_path):
+    """Ice Lake and Cascade Lake Xeons: AVX-512 with VNNI and without BF16, whose bfloat16 dot is two
+    FMAs (isa_avx512.h), with the portable reference's bits. Built here without -mavx512bf16 on any
+    CPU that runs AVX-512, so that path is tested where no such CPU is at hand."""
+    if isa.arch() != "x86_64" or not isa.runs_here(isa.BY_NAME["avx512"]) or shutil.which("g++") is None:
+        pytest.skip("this CPU runs no AVX-512 (or no g++)")
+    exe = build(tmp_path, "g++", "x86_64", isa.cpu_features() - {"avx512_bf16"})
+    print(run([str(exe), "avx512"]), "for avx512 without BF16")
+
+
 def test_arm64_neon_under_qemu(tmp_path):
     cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
     if cxx is None or qemu is None:

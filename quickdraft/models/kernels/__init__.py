@@ -1,13 +1,13 @@
 """Hand-written CPU kernels, compiled on first use with torch's C++ extension loader and cached
-under ``$QUICKDRAFT_CACHE/extensions/torch-<version>-<source hash>``: a bfloat16 and a float32
-linear for the decoder, an int8 linear (int8 weights and activations, W8A8) for draft models
-(linear.cpp), a linear over GGUF block weights as stored (blocks.cpp, models/ggml.py), a chain's
-attention (attention.cpp), RMSNorm and rotary (rowwise.cpp), and a whole decoder layer made of
-them (layer.cpp). Each has a plain torch fallback:
-where the CPU lacks the instructions, the compiler is missing, or ``QUICKDRAFT_KERNELS=0``, the
-getters return None and the caller uses torch.
+under ``$QUICKDRAFT_CACHE/extensions/torch-<version>-<source hash>-<instruction set>``: a bfloat16
+and a float32 linear for the decoder, an int8 linear (int8 weights and activations, W8A8) for
+draft models (linear.h), a linear over GGUF block weights as stored (blocks.h, models/ggml.py), a
+chain's attention (attention.cpp), RMSNorm and rotary (rowwise.cpp), and a whole decoder layer
+made of them (layer.cpp), each written once against the vector layer (simd.h) and built for the
+instruction set ``isa.choose()`` picks. Each has a plain torch fallback: where the compiler is
+missing or ``QUICKDRAFT_KERNELS=0``, the getters return None and the caller uses torch.
 
-The kernels are batch invariant by construction (see linear.cpp, tiles.h); torch's matmul is not, and how
+The kernels are batch invariant by construction (see linear.h, tiles.h); torch's matmul is not, and how
 it fails depends on the CPU and its BLAS (MKL picks another float32 kernel for 13 rows and up on
 an Intel Xeon with AMX, and for 1..3 tail rows on an AMD EPYC; cuBLAS picks by shape).
 ``invariance(dtype, device, blocks)`` says which path a linear takes, and whether that path promises it.
