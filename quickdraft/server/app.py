@@ -207,6 +207,10 @@ class _Api:
 
     async def tokenize(self, request: Request) -> dict:
         req: TokenizeRequest = await self._parse(request, TokenizeRequest)
+        # Bounded as a prompt is: a text that certainly holds more tokens than the context is refused
+        # from its byte count. One that may fit is counted exactly, even past the context, since a
+        # client may split it into windows (lm-evaluation-harness's rolling loglikelihood does).
+        self.prompt_bound.check(req.prompt, "prompt")
         ids = self.tokenizer.encode(req.prompt)
         if req.add_special_tokens is False and self.tokenizer.add_bos_token and ids[:1] == [self.tokenizer.bos_token_id]:
             ids = ids[1:]
