@@ -207,6 +207,10 @@ class _Api:
 
     async def tokenize(self, request: Request) -> dict:
         req: TokenizeRequest = await self._parse(request, TokenizeRequest)
+        # Bounded as a prompt is: a text that certainly holds more tokens than the context is refused
+        # from its byte count. One that may fit is counted exactly, even past the context, since a
+        # client may split it into windows (lm-evaluation-harness's rolling loglikelihood does).
+        self.prompt_bound.check(req.prompt, "prompt")
         ids = self.tokenizer.encode(req.prompt)
         if req.add_special_tokens is False and self.tokenizer.add_bos_token and ids[:1] == [self.tokenizer.bos_token_id]:
             ids = ids[1:]
@@ -453,10 +457,11 @@ class _Reply:
                                    eos_token_id=None, eos_logprob=None, finish_reason=reason)
 
     def scored(self, lps, out: RequestOutput):
-        """A completion's logprobs, with the end of sequence's entry last where one stopped it: it
-        was sampled and counted, and clients scoring a continuation (lm-evaluation-harness's
-        ``token_logprobs[ctxlen:-1]``) take the last entry to be the generated token's."""
-        if lps is None or self.chat or out.eos_logprob is None:
+        """A reply's logprobs, with the end of sequence's entry last where one stopped it: it was
+        sampled and counted in completion_tokens, as vLLM returns it for both APIs, and clients
+        scoring a continuation (lm-evaluation-harness's ``token_logprobs[ctxlen:-1]``) take the
+        last entry to be the generated token's."""
+        if lps is None or out.eos_logprob is None:
             return lps
         return [*lps, out.eos_logprob]
 
@@ -503,8 +508,9 @@ class _Reply:
             def entry(token_id, logprob):
                 text, raw = self._token(token_id)
                 return {"token": text, "logprob": logprob, "bytes": list(raw)}
-            return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
-                                for t in lps], "refusal": None}
+            return {"content": [{**entry(t.token_id, t.logprob),
+                                 "top_logprobs": [entry(i, lp) for i, lp in self._top_ids(t)]} for t in lps],
+                    "refusal": None}
         tokens, offsets, at = [], [], self._offsets.get(index, 0)
         for t in lps:
             text = self._token(t.token_id)[0]
@@ -521,6 +527,15 @@ class _Reply:
         top = {self._token(i)[0]: lp for i, lp in t.top}
         top.setdefault(self._token(t.token_id)[0], t.logprob)
         return top
+
+    @staticmethod
+    def _top_ids(t) -> list[tuple[int, float]]:
+        """Chat's top_logprobs, (token id, logprob) most likely first: the N most likely tokens and
+        the chosen one after them where it is not among them (sampling can choose a token outside
+        the N), as the completions API gives it; none where N is 0."""
+        if not t.top or any(i == t.token_id for i, _ in t.top):
+            return list(t.top)
+        return [*t.top, (t.token_id, t.logprob)]
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -573,7 +588,8 @@ class _Reply:
 
     def full(self, outs: list[RequestOutput]) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": m, "logprobs": self.logprobs(o.logprobs, i), "finish_reason": reason}
+            choices = [{"index": i, "message": m, "logprobs": self.logprobs(self.scored(o.logprobs, o), i),
+                        "finish_reason": reason}
                        for i, o in enumerate(outs) for m, reason in [self.message(o)]]
         elif self.echo:  # the prompt as its tokens decode, then the completion; the first prompt token has no logprob
             choices = [{"index": i, "text": self.tokenizer.decode(o.prompt_token_ids) + o.text,

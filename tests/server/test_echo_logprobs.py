@@ -207,3 +207,56 @@ def test_lm_eval_local_completions(edge_server, smollm2_tokenizer, teacher, tmp_
     assert results["results"]["qd_tiny_mc"]["acc,none"] == pytest.approx(correct / len(docs))
     print(f"lm-eval local-completions: {len(samples)} questions, acc {correct / len(docs):.3f}, "
           f"every loglikelihood equal to the teacher-forced one")
+
+
+def _openai(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["edge_server", "ngram_server"])
+def test_chat_eos_entry_is_there_and_counted(request, name):
+    """Chat's logprobs as vLLM returns them, through the openai client: the end of sequence that
+    ended the reply has its entry, last (its text is not in the message), and counts in
+    usage.completion_tokens; streamed, the chunks' entries are the same; plain and under
+    speculation (ngram K=4) alike."""
+    client = _openai(request.getfixturevalue(name))
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say OK."}], max_tokens=32, temperature=0,
+              logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    entries = choice.logprobs.content
+    assert choice.finish_reason == "stop" and entries[-1].token == "<|im_end|>", entries[-1]
+    assert len(entries) == r.usage.completion_tokens >= 2
+    assert "".join(t.token for t in entries[:-1]) == choice.message.content
+    for t in entries:  # greedy: the chosen token is the most likely, so the top 2 hold it first
+        assert len(t.top_logprobs) == 2 and (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in streamed] == \
+        [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in entries]
+    assert chunks[-1].usage.completion_tokens == len(entries)
+    # a reply cut by max_tokens has no end of sequence: one entry per token
+    cut = client.chat.completions.create(**{**kw, "max_tokens": 1})
+    assert cut.choices[0].finish_reason == "length" and len(cut.choices[0].logprobs.content) == 1 == cut.usage.completion_tokens
+
+
+def test_chat_top_logprobs_hold_the_chosen_token(edge_server):
+    """Chat's top_logprobs: the N most likely tokens, most likely first, and the chosen token after
+    them where sampling chose one outside the N (N + 1 entries), as the completions API gives it;
+    none where top_logprobs is 0."""
+    client = _openai(edge_server)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+              max_tokens=48, temperature=2.0, seed=7, logprobs=True)
+    entries = client.chat.completions.create(**kw, top_logprobs=1).choices[0].logprobs.content
+    sizes = []
+    for t in entries:
+        top = [(x.token, x.logprob) for x in t.top_logprobs]
+        assert (t.token, t.logprob) in top and top[0][1] >= t.logprob
+        assert len(top) == (1 if top[0] == (t.token, t.logprob) else 2), (t.token, top)
+        sizes.append(len(top))
+    assert 2 in sizes, sizes  # at temperature 2, some sampled tokens were not the most likely
+    none = client.chat.completions.create(**kw, top_logprobs=0).choices[0].logprobs.content
+    assert [(t.token, t.logprob) for t in none] == [(t.token, t.logprob) for t in entries]
+    assert all(t.top_logprobs == [] for t in none)

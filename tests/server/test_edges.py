@@ -44,6 +44,12 @@ CASES = [
      "the prompt has at least", "prompt", "context_length_exceeded"),
     ("five-mb-chat", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": FIVE_MB}]}, 400,
      "the prompt has at least", "messages", "context_length_exceeded"),
+    ("five-mb-tokenize", "/tokenize", {"model": MODEL, "prompt": FIVE_MB}, 400,
+     "the prompt has at least", "prompt", "context_length_exceeded"),  # refused from its bytes, as a prompt is
+    ("five-mb-tokenize-without-model", "/tokenize", {"prompt": FIVE_MB, "add_special_tokens": False}, 400,
+     "the prompt has at least", "prompt", "context_length_exceeded"),
+    ("tokenize-past-the-context-that-may-fit", "/tokenize", {"model": MODEL, "prompt": "x " * MAX_MODEL_LEN},
+     200, None, None, None),  # counted exactly: a client may window a long text (see test_tokenize_counts_past_the_context)
     ("top-p-below-float32", CHAT, {"model": MODEL, "messages": [{"role": "tool"}], "top_p": 5e-324, "max_tokens": 4},
      200, None, None, None),  # found by test_fuzz: float32 rounds it to 0, which once emptied the nucleus
     ("many-prompts", C, {"model": MODEL, "prompt": ["x " * 1000] * 1000}, 400,
@@ -97,6 +103,15 @@ def test_hostile_input(edge_server, case):
     assert after[key] == before[key] + 1
     # refused before any model work: not a token of the prompt was counted
     assert after[("quickdraft:prompt_tokens_total", ())] == before[("quickdraft:prompt_tokens_total", ())]
+
+
+def test_tokenize_counts_past_the_context(edge_server):
+    """A text that may fit is tokenized and counted exactly, past the context too: the bound
+    refuses only what certainly cannot fit."""
+    r = httpx.post(edge_server.url + "/tokenize", json={"model": MODEL, "prompt": "x " * MAX_MODEL_LEN},
+                   headers=edge_server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] > MAX_MODEL_LEN and r.json()["max_model_len"] == MAX_MODEL_LEN
 
 
 def _send(server, headers: dict, chunks: list[bytes]) -> tuple[int, dict, str]:
