@@ -41,7 +41,7 @@ log = logging.getLogger("quickdraft.engine")
 
 # Calibration passes: (chains, new tokens per chain, context before them). Context and chain
 # count matter beside rows: attention reads every cached key for every row, and each chain has
-# its own attention calls (models/decoder.py), so a batch of 8 chains of 5 costs more than one
+# its own attention calls (models/decoder/reference.py), so a batch of 8 chains of 5 costs more than one
 # chain of 40 (572 against ~475 ms for the 1.5B here).
 CALIBRATION = ((1, 1, 0), (1, 4, 0), (1, 16, 0), (1, 32, 0), (1, 1, 256), (1, 8, 256), (4, 1, 256),
                (4, 4, 256), (8, 2, 256))

@@ -2,7 +2,7 @@
 
 ``step`` reads like the data path in ARCHITECTURE.md: schedule, run, postprocess. Each request
 has its own sampling parameters, its own generator (seeded by its seed), its own K and its own
-stop conditions; the batch around it changes nothing in its tokens (see models/decoder.py on batch
+stop conditions; the batch around it changes nothing in its tokens (see models/decoder/ on batch
 invariance).
 """
 

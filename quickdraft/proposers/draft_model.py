@@ -259,7 +259,7 @@ def tree_pass(model: Decoder, kv: KVCache, slots: list[int], trees: list[DraftTr
               nodes: list[list[int]]) -> torch.Tensor:
     """One draft pass over the next level of each tree: ``nodes[i]`` (just marked fed, so at
     ``base + fed``) each over the sequence's committed tokens, its ancestors (written by earlier
-    passes: hidden keys, models/decoder.py's AttentionMetadata) and itself -> logits [rows, N]."""
+    passes: hidden keys, models/decoder/metadata.py's AttentionMetadata) and itself -> logits [rows, N]."""
     tokens, positions, masks, contexts = [], [], [], []
     for t, level in zip(trees, nodes):
         before = t.written - len(level)  # the tree's keys already in the cache

@@ -3,7 +3,7 @@ output token for token, for n-gram lookup, suffix decoding, a draft model and la
 dequantized weights and on the GGUF file's blocks as stored.
 
 bfloat16 is exact too, not only float32: every op of the decoder is batch invariant (see
-models/decoder.py), so a verification pass over K + 1 tokens rounds each row exactly as the
+models/decoder/), so a verification pass over K + 1 tokens rounds each row exactly as the
 single-token pass of plain decoding would. No tolerance anywhere in this file."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """End to end on a tiny random model, float32: speculative greedy output equals plain greedy output
 token for token, with a draft that always agrees, one that never agrees, and one in between; for
 single requests and for ragged batches. Exact equality, no tolerance: the decoder is batch
-invariant (models/decoder.py), so a verification pass rounds exactly like single-token passes."""
+invariant (models/decoder/), so a verification pass rounds exactly like single-token passes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""kernels/layer.cpp runs a decoder layer in one call; it must be the Python path bit for bit.
+"""kernels/layer.cpp runs a decoder layer in one call; it must be the Python path bit for bit
+(test_native_forward.py holds the whole pass in one call to the same).
 
 Both paths run the same passes on their own KV caches (several sequences, chains of 1 to 32 new
 tokens, token trees beside chains, a partial-depth pass as self-speculation runs), with dense
@@ -58,17 +59,22 @@ def model(dtype: torch.dtype, layout: str | None) -> Decoder:
     return Decoder(config, weights)
 
 
-def run(decoder: Decoder, fused: bool, passes) -> tuple[list[torch.Tensor], KVCache]:
-    keep = decoder._fused
-    decoder._fused = keep if fused else None
+def run(decoder: Decoder, mode: str, passes, **forward) -> tuple[list, KVCache]:
+    """The passes on a fresh cache, the layers run ``mode``: "python" (reference.py), "layer"
+    (one native call a layer) or "pass" (one native call a pass)."""
+    keep = decoder.native
+    assert keep is not None
+    decoder.native = None if mode == "python" else keep
+    keep.one_call = mode == "pass"
     kv = KVCache(decoder.config, 3, 128, decoder.dtype)
     outs = []
     try:
         for meta, layers in passes:
             tokens = torch.arange(sum(meta.query_lens)) * 7 % decoder.config.vocab_size
-            outs.append(decoder.forward(tokens, positions(meta), kv, meta, num_layers=layers))
+            outs.append(decoder.forward(tokens, positions(meta), kv, meta, num_layers=layers, **forward))
     finally:
-        decoder._fused = keep
+        decoder.native = keep
+        keep.one_call = True
     return outs, kv
 
 
@@ -108,9 +114,9 @@ PASSES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_fused_layer_is_the_python_path_bit_for_bit(dtype, layout):
     decoder = model(dtype, layout)
-    assert decoder._fused is not None
-    fused, kv_fused = run(decoder, True, PASSES)
-    python, kv_python = run(decoder, False, PASSES)
+    assert decoder.native is not None
+    fused, kv_fused = run(decoder, "layer", PASSES)
+    python, kv_python = run(decoder, "python", PASSES)
     for i, (a, b) in enumerate(zip(fused, python)):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b), f"pass {i}: largest difference {(a.float() - b.float()).abs().max()}"
@@ -121,9 +127,10 @@ def test_fused_layer_is_the_python_path_bit_for_bit(dtype, layout):
 
 def test_fused_layer_is_used_for_chains_and_trees_not_long_prefills():
     decoder = model(torch.float32, None)
+    decoder.native.one_call = False
     calls = []
-    original = decoder._fused_block
-    decoder._fused_block = lambda *a: calls.append(1) or original(*a)
+    original = decoder.native.layer
+    decoder.native.layer = lambda *a: calls.append(1) or original(*a)
     kv = KVCache(decoder.config, 1, 128, decoder.dtype)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two branches after a root
     meta = AttentionMetadata.chain([0], [0], [33])
@@ -137,7 +144,7 @@ def test_fused_layer_is_used_for_chains_and_trees_not_long_prefills():
 def test_int8_draft_keeps_the_python_path():
     config = tiny_config(hidden_size=256, num_heads=4, num_kv_heads=2)
     decoder = Decoder(config, random_weights(config, dtype=torch.bfloat16), quantize="int8")
-    assert decoder._fused is None
+    assert decoder.native is None
 
 
 @pytest.mark.parametrize("rows", [1, 5, 11])

@@ -157,8 +157,8 @@ def test_cached_embedding_rows_are_the_dequantized_rows(smollm2_path, monkeypatc
     """A Decoder on blocks keeps recently used embedding rows dequantized: what it returns, for a
     pass's few tokens (repeats, hits, misses, evictions past the bound) or for a long prompt, is
     exactly the dequantized rows."""
-    from quickdraft.models import decoder as decoder_module
     from quickdraft.models.decoder import Decoder
+    from quickdraft.models.decoder import model as decoder_module  # where Decoder reads the bound
     from quickdraft.models.loader import load_model
 
     monkeypatch.setattr(decoder_module, "EMBED_CACHE_ROWS", 16)  # passes of up to 4 tokens use it

@@ -2,10 +2,11 @@
 under ``$QUICKDRAFT_CACHE/extensions/torch-<version>-<source hash>-<instruction set>``: a bfloat16
 and a float32 linear for the decoder, an int8 linear (int8 weights and activations, W8A8) for
 draft models (linear.h), a linear over GGUF block weights as stored (blocks.h, models/ggml.py), a
-chain's attention (attention.cpp), RMSNorm and rotary (rowwise.cpp), and a whole decoder layer
-made of them (layer.cpp), each written once against the vector layer (simd.h) and built for the
-instruction set ``isa.choose()`` picks. Each has a plain torch fallback: where the compiler is
-missing or ``QUICKDRAFT_KERNELS=0``, the getters return None and the caller uses torch.
+chain's attention (attention.cpp), RMSNorm and rotary (rowwise.cpp), a whole decoder layer made
+of them (layer.cpp) and the whole decoder in one call (forward.cpp), each written once against
+the vector layer (simd.h) and built for the instruction set ``isa.choose()`` picks. Each has a
+plain torch fallback: where the compiler is missing or ``QUICKDRAFT_KERNELS=0``, the getters
+return None and the caller uses torch.
 
 The kernels are batch invariant by construction (see linear.h, tiles.h); torch's matmul is not, and how
 it fails depends on the CPU and its BLAS (MKL picks another float32 kernel for 13 rows and up on
@@ -29,10 +30,10 @@ from quickdraft.models.kernels import isa as isas
 from quickdraft.models.registry import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp")  # compiled into one module
+SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "forward.cpp")  # compiled into one module
 # the walk (tiles.h), the entry points (entry.h), the vector layer and its instruction sets (simd.h,
 # isa_*.h), the cores on raw pointers (linear.h, blocks.h) and AMX (amx_x86.h)
-HEADERS = ("tiles.h", "entry.h", "simd.h", "isa_avx512.h", "isa_avx2.h", "isa_neon.h", "isa_portable.h", "linear.h",
+HEADERS = ("tiles.h", "entry.h", "layer.h", "simd.h", "isa_avx512.h", "isa_avx2.h", "isa_neon.h", "isa_portable.h", "linear.h",
            "blocks.h", "amx_x86.h")
 
 
@@ -127,6 +128,13 @@ def fused_layer():
     layer.cpp), or None."""
     module = _module()
     return None if module is None else module.decoder_layer
+
+
+def native_decoder():
+    """The compiled ``NativeDecoder`` class (a model's decoder layers and final norm, run in one call a
+    pass over a reused workspace; see forward.cpp), or None."""
+    module = _module()
+    return None if module is None else module.NativeDecoder
 
 
 def dense_linear(dtype: torch.dtype, device: torch.device | str):

@@ -105,11 +105,13 @@ std::array<int64_t, 4> check(const torch::Tensor& q, const torch::Tensor& keys, 
   return {m, H, d, Hkv};
 }
 
-// run(Q, K, V, head stride, key stride, O) with the keys' element type -> O [m, H * d]
+// run(Q, K, V, head stride, key stride, O) with the keys' element type, O = out [m, H * d] float32
 template <typename Run>
-torch::Tensor with_dtype(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, Run run) {
+void with_dtype(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& out, Run run) {
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == q.size(0) &&
+                  out.size(1) == q.size(1) * q.size(2),
+              "out [m, heads * d] float32, contiguous");
   auto qc = q.contiguous();
-  auto out = torch::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   const int64_t hs = keys.stride(0), ks = keys.stride(1);
   if (keys.scalar_type() == torch::kFloat32) {
     run(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), hs, ks, out.data_ptr<float>());
@@ -117,18 +119,29 @@ torch::Tensor with_dtype(const torch::Tensor& q, const torch::Tensor& keys, cons
     run(qc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(keys.data_ptr()), reinterpret_cast<const uint16_t*>(values.data_ptr()), hs,
         ks, out.data_ptr<float>());
   }
-  return out;
+}
+
+torch::Tensor output_for(const torch::Tensor& q) {
+  TORCH_CHECK(q.dim() == 3, "q [m, heads, d]");
+  return torch::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
 }
 
 }  // namespace
 
 // q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d] (float32 or bfloat16, rows contiguous);
-// row j attends over keys 0..ctx+j -> [m, H * d] float32
-torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale) {
+// row j attends over keys 0..ctx+j -> out [m, H * d] float32 (written in place: forward.cpp's workspace)
+void attend_chain_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx, double scale,
+                       const torch::Tensor& out) {
   const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
-  return with_dtype(q, keys, values, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
+  with_dtype(q, keys, values, out, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
     chain(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, static_cast<float>(scale));
   });
+}
+
+torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale) {
+  auto out = output_for(q);
+  attend_chain_into(q, keys, values, ctx, scale, out);
+  return out;
 }
 
 // q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d]; the new tokens (keys ctx..ctx+m-1) form a
@@ -136,9 +149,9 @@ torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor va
 // [m + 1], path: each row's ancestors in the tree and itself, in order), where base = ctx - hidden:
 // the hidden keys base..ctx-1 are tree nodes an earlier pass wrote, seen only through paths (0
 // where the tree is all new; row 0's path ends at itself, hidden + 0, which gives hidden)
-// -> [m, H * d] float32, each row with the bits attend_chain gives the same history laid out as a chain
-torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
-                          torch::Tensor path, double scale) {
+// -> out [m, H * d] float32, each row with the bits attend_chain gives the same history laid out as a chain
+void attend_tree_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx,
+                      const torch::Tensor& start, const torch::Tensor& path, double scale, const torch::Tensor& out) {
   const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
   TORCH_CHECK(start.scalar_type() == torch::kInt64 && start.dim() == 1 && start.size(0) == m + 1, "start [m + 1] int64");
   TORCH_CHECK(path.scalar_type() == torch::kInt64 && path.dim() == 1, "path int64");
@@ -154,7 +167,14 @@ torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor val
     for (int64_t i = s[j]; i < s[j + 1]; ++i) TORCH_CHECK(a[i] >= 0 && a[i] <= hidden + j, "row ", j, "'s path holds earlier keys only");
     TORCH_CHECK(a[s[j + 1] - 1] == hidden + j, "row ", j, "'s path ends at itself");
   }
-  return with_dtype(q, keys, values, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
+  with_dtype(q, keys, values, out, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
     tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, hidden, s, a, static_cast<float>(scale));
   });
+}
+
+torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
+                          torch::Tensor path, double scale) {
+  auto out = output_for(q);
+  attend_tree_into(q, keys, values, ctx, start, path, scale, out);
+  return out;
 }

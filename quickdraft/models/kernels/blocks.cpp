@@ -32,15 +32,18 @@ void quantize(const torch::Tensor& x, int8_t* Q, float* XS, int32_t* INIT, float
   }
 }
 
+// into: null, or one output a weight [M, tiles * 16] of x's dtype, contiguous, written in place
+// (forward.cpp's workspace); null allocates them
 template <int KIND>
 std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t K,
-                               const std::vector<c10::optional<torch::Tensor>>& biases) {
+                               const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<torch::Tensor>* into) {
   using F = Format<KIND>;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % F::L == 0, "x [M, K] with K a multiple of the block");
   TORCH_CHECK(!F::SUPER || K % (F::L * F::SUPER) == 0, "K a multiple of the super-block");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
   TORCH_CHECK(x.is_contiguous(), "x contiguous");
   TORCH_CHECK(!ws.empty() && ws.size() <= qd::Weights::MAX && biases.size() == ws.size(), "1 to 4 weights, a bias (or None) each");
+  TORCH_CHECK(into == nullptr || into->size() == ws.size(), "one output a weight");
   const int64_t M = x.size(0), nb = K / F::L;
   qd::Weights w;
   w.count = static_cast<int>(ws.size());
@@ -58,7 +61,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
       const int64_t n = bias.numel();
       TORCH_CHECK(n <= N && n > N - LANES, "a bias of ", n, " values for ", wi.size(0), " tiles of 16 rows");
       if (n == N && bias.scalar_type() == torch::kFloat32 && bias.is_contiguous()) {
-        w.B[i] = bias.data_ptr<float>();  // as the tiles read it (decoder.py's fused layers keep theirs so)
+        w.B[i] = bias.data_ptr<float>();  // as the tiles read it (models/decoder/native.py keeps its biases so)
       } else {  // three small torch operations a bias: ~10 us a call at one row
         b32[i] = torch::zeros({N}, x.options().dtype(torch::kFloat32));
         b32[i].narrow(0, 0, n).copy_(bias.reshape({n}));
@@ -66,7 +69,14 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
       }
     }
     w.first[i + 1] = w.first[i] + wi.size(0);
-    outs.push_back(torch::empty({M, N}, x.options()));
+    if (into == nullptr) {
+      outs.push_back(torch::empty({M, N}, x.options()));
+    } else {
+      const torch::Tensor& y = (*into)[i];
+      TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.dim() == 2 && y.size(0) == M && y.size(1) == N,
+                  "output ", i, ": [M, tiles * 16] contiguous, of x's dtype");
+      outs.push_back(y);
+    }
     w.ys[i] = qd::Out{outs.back().data_ptr(), x.scalar_type() == torch::kFloat32};
   }
   thread_local std::vector<int8_t> qbuf;
@@ -100,13 +110,19 @@ auto with_kind(int64_t kind, Run run) {
 // x [M, K] float32 or bfloat16, w [tiles, bytes] uint8 in ``kind``'s layout -> [M, tiles * 16] in x's
 // dtype (the rows that pad the last tile are the caller's to drop)
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias) {
-  return with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, {w}, K, {bias}); })[0];
+  return with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, {w}, K, {bias}, nullptr); })[0];
 }
 
 // the same for up to 4 weights of one format against the same x -> one output each
 std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
                                               std::vector<c10::optional<torch::Tensor>> biases) {
-  return with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, ws, K, biases); });
+  return with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, ws, K, biases, nullptr); });
+}
+
+// the same into given outputs ys (one a weight, [M, tiles * 16] of x's dtype, contiguous)
+void linear_blocks_into(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t kind, int64_t K,
+                        const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<torch::Tensor>& ys) {
+  with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, ws, K, biases, &ys); });
 }
 
 double vnni_rate(int64_t runs) { return qd::dot_rate(runs); }

@@ -1,5 +1,6 @@
 // The module's entry points, one declaration each: linear.cpp registers them with Python, and
-// layer.cpp strings them into a decoder layer.
+// layer.cpp strings them into a decoder layer. The *_into variants write into given contiguous
+// outputs (forward.cpp's workspace); the others allocate theirs.
 #pragma once
 
 #include <torch/extension.h>
@@ -9,6 +10,8 @@
 // linear.cpp: dense and int8 weights
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+void linear_bf16_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, const torch::Tensor& y);
+void linear_f32_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, const torch::Tensor& y);
 torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor wsum,
                         c10::optional<torch::Tensor> bias);
 
@@ -16,6 +19,8 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias);
 std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
                                               std::vector<c10::optional<torch::Tensor>> biases);
+void linear_blocks_into(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t kind, int64_t K,
+                        const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<torch::Tensor>& ys);
 double vnni_rate(int64_t runs);
 bool amx_active();
 bool use_amx(bool on);
@@ -25,10 +30,17 @@ int64_t amx_min_rows();
 torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);
 torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
                           torch::Tensor path, double scale);
+void attend_chain_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx, double scale,
+                       const torch::Tensor& out);
+void attend_tree_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx,
+                      const torch::Tensor& start, const torch::Tensor& path, double scale, const torch::Tensor& out);
 
 // rowwise.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions);
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor& y);
+void rotary_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
+                 const torch::Tensor& y);
 
 // layer.cpp
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
@@ -37,3 +49,6 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vecto
                             std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
                             std::vector<c10::optional<torch::Tensor>> tree_starts, std::vector<c10::optional<torch::Tensor>> tree_paths,
                             int64_t heads, int64_t kv_heads, double eps, double scale);
+
+// forward.cpp: the NativeDecoder class (the whole decoder in one call), added to the module
+void register_forward(pybind11::module& m);

@@ -1,4 +1,5 @@
-// One decoder layer (models/decoder.py's Decoder._block) for chains or token trees of new tokens, in one call.
+// One decoder layer (models/decoder/reference.py's block) for chains or token trees of new tokens,
+// in one call.
 //
 // Written by hand because at one row a decoding step is dozens of small operations a layer, each
 // a trip through the Python interpreter and torch's dispatcher. Measured against the Python path,
@@ -8,51 +9,147 @@
 // attention.cpp) and of the same torch operations (silu, mul, add), in the same order, so its
 // output is bit for bit that of the Python path, which stays for long prefills, the
 // int8 draft format, CUDA and CPUs without the kernels (tests/models/test_fused_layer.py).
+// forward.cpp runs every layer of a pass through the same layer_into.
 #include <torch/extension.h>
 
 #include <vector>
 
 #include "entry.h"  // the kernels it strings together
+#include "layer.h"
 
 namespace {
 
-constexpr int64_t DENSE = -1;  // a projection's kind: a dense weight of x's dtype; >= 0: a GGUF block format
-
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, int64_t kind, const c10::optional<torch::Tensor>& bias) {
-  if (kind != DENSE) return linear_blocks(x, w, kind, x.size(1), bias);
-  return x.scalar_type() == torch::kFloat32 ? linear_f32(x, w, bias) : linear_bf16(x, w, bias);
+void project_into(const torch::Tensor& x, const torch::Tensor& w, int64_t kind, const c10::optional<torch::Tensor>& bias,
+                  const torch::Tensor& y) {
+  if (kind != DENSE) {
+    linear_blocks_into(x, {w}, kind, x.size(1), {bias}, {y});
+  } else if (x.scalar_type() == torch::kFloat32) {
+    linear_f32_into(x, w, bias, y);
+  } else {
+    linear_bf16_into(x, w, bias, y);
+  }
 }
 
-// x times each of the ``count`` weights w[at..] of formats kinds[kat..]: runs of one block format
-// go in one call (blocks.cpp's linear_blocks_many), the same bits as one call each
-std::vector<torch::Tensor> project_all(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at,
-                                       const std::vector<int64_t>& kinds, size_t kat, size_t count,
-                                       const std::vector<c10::optional<torch::Tensor>>& biases) {
-  std::vector<torch::Tensor> out;
+// x times each of the ``count`` weights w[0..] of formats kinds[0..] into ys[0..]: runs of one
+// block format go in one call (blocks.cpp's linear_blocks_many), the same bits as one call each
+void project_all_into(const torch::Tensor& x, const torch::Tensor* w, const int64_t* kinds,
+                      const c10::optional<torch::Tensor>* biases, const torch::Tensor* ys, size_t count) {
   for (size_t i = 0; i < count;) {
-    const int64_t kind = kinds[kat + i];
+    const int64_t kind = kinds[i];
     size_t end = i + 1;
-    while (kind != DENSE && end < count && kinds[kat + end] == kind) ++end;
+    while (kind != DENSE && end < count && kinds[end] == kind) ++end;
     if (end - i == 1) {
-      out.push_back(project(x, w[at + i], kind, biases[i]));
+      project_into(x, w[i], kind, biases[i], ys[i]);
     } else {
-      std::vector<torch::Tensor> ws(w.begin() + at + i, w.begin() + at + end);
-      std::vector<c10::optional<torch::Tensor>> bs(biases.begin() + i, biases.begin() + end);
-      for (auto& y : linear_blocks_many(x, ws, kind, x.size(1), bs)) out.push_back(y);
+      linear_blocks_into(x, std::vector<torch::Tensor>(w + i, w + end), kind, x.size(1),
+                         std::vector<c10::optional<torch::Tensor>>(biases + i, biases + end),
+                         std::vector<torch::Tensor>(ys + i, ys + end));
     }
     i = end;
   }
-  return out;
 }
 
 }  // namespace
 
-// x [n, hidden]; positions [n]; w: input norm, q, k, v, o, post-attention norm, gate, up, down;
-// kinds: the 7 projections' (DENSE or a block format); biases: q, k, v's; kcache, vcache: this
-// layer's [slots, kv_heads, max_len, d]; sequence i's query_lens[i] rows are its new tokens at
-// positions context_lens[i].. of slot slots[i]: a causal chain, or where tree_starts[i] and
-// tree_paths[i] are given a token tree (row j sees the tree tokens tree_paths[i][start[j] ..
-// start[j + 1]], hidden nodes of earlier passes included: attention.cpp's attend_tree) -> x after the layer
+void Pass::check(int64_t n, const torch::Tensor& kcache, const torch::Tensor& vcache) const {
+  TORCH_CHECK(slots.size() == context_lens.size() && slots.size() == query_lens.size() && slots.size() == tree_starts.size() &&
+                  slots.size() == tree_paths.size(),
+              "one slot, context, length and tree (or None) a sequence");
+  TORCH_CHECK(kcache.dim() == 4 && kcache.sizes() == vcache.sizes(), "caches [slots, kv_heads, max_len, d]");
+  TORCH_CHECK(kcache.size(1) == kv_heads && heads % kv_heads == 0, "the caches' kv heads are the model's");
+  int64_t rows = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < kcache.size(0), "sequence ", i, ": no slot ", slots[i]);
+    TORCH_CHECK(context_lens[i] + query_lens[i] <= kcache.size(2), "sequence ", i, " runs past the cache's ", kcache.size(2), " positions");
+    TORCH_CHECK(tree_starts[i].has_value() == tree_paths[i].has_value(), "sequence ", i, ": a tree's starts and paths, or neither");
+    rows += query_lens[i];
+  }
+  TORCH_CHECK(rows == n, "the query lengths add up to ", rows, ", x has ", n, " rows");
+  TORCH_CHECK(positions.numel() == n, "one position a row");
+}
+
+Buffers Buffers::allocate(int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t intermediate,
+                          const torch::TensorOptions& options) {
+  const auto f32 = options.dtype(torch::kFloat32);
+  const bool is_f32 = c10::typeMetaToScalarType(options.dtype()) == torch::kFloat32;
+  Buffers b;
+  b.h = torch::empty({rows, hidden}, options);
+  b.mid = torch::empty({rows, hidden}, options);
+  b.o = torch::empty({rows, hidden}, options);
+  b.down = torch::empty({rows, hidden}, options);
+  b.q = torch::empty({rows, heads * d}, options);
+  b.k = torch::empty({rows, kv_heads * d}, options);
+  b.v = torch::empty({rows, kv_heads * d}, options);
+  b.attn = torch::empty({rows, heads * d}, f32);
+  b.qf = is_f32 ? b.q : torch::empty({rows, heads * d}, f32);
+  b.attn_x = is_f32 ? b.attn : torch::empty({rows, heads * d}, options);
+  b.gate = torch::empty({rows, intermediate}, options);
+  b.up = torch::empty({rows, intermediate}, options);
+  return b;
+}
+
+Buffers Buffers::first(int64_t n) const {
+  Buffers b;
+  b.h = h.narrow(0, 0, n);
+  b.mid = mid.narrow(0, 0, n);
+  b.o = o.narrow(0, 0, n);
+  b.down = down.narrow(0, 0, n);
+  b.q = q.narrow(0, 0, n);
+  b.k = k.narrow(0, 0, n);
+  b.v = v.narrow(0, 0, n);
+  b.qf = qf.narrow(0, 0, n);
+  b.attn = attn.narrow(0, 0, n);
+  b.attn_x = attn_x.narrow(0, 0, n);
+  b.gate = gate.narrow(0, 0, n);
+  b.up = up.narrow(0, 0, n);
+  return b;
+}
+
+void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const int64_t* kinds,
+                const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
+                const Pass& pass, const Buffers& b) {
+  const int64_t n = x.size(0), d = kcache.size(3);
+  rms_norm_into(x, w[0], pass.eps, b.h);
+  const torch::Tensor qkv[3] = {b.q, b.k, b.v};
+  project_all_into(b.h, w + 1, kinds, biases, qkv, 3);
+  // rotated in place: rotary_into reads each pair of values before it writes them
+  const torch::Tensor q = b.q.view({n, pass.heads, d}), k = b.k.view({n, pass.kv_heads, d}), v = b.v.view({n, pass.kv_heads, d});
+  rotary_into(q, pass.cos, pass.sin, pass.positions, q);
+  rotary_into(k, pass.cos, pass.sin, pass.positions, k);
+  // attention reads float32 queries: the Python path's q.float(), one conversion for every sequence
+  if (b.qf.data_ptr() != b.q.data_ptr()) b.qf.copy_(b.q);
+  const torch::Tensor qf = b.qf.view({n, pass.heads, d});
+  int64_t start = 0;
+  for (size_t i = 0; i < pass.slots.size(); ++i) {
+    const int64_t ctx = pass.context_lens[i], len = pass.query_lens[i];
+    const torch::Tensor keys = kcache.select(0, pass.slots[i]), values = vcache.select(0, pass.slots[i]);  // [kv_heads, max_len, d]
+    keys.narrow(1, ctx, len).copy_(k.narrow(0, start, len).transpose(0, 1));
+    values.narrow(1, ctx, len).copy_(v.narrow(0, start, len).transpose(0, 1));
+    const torch::Tensor qi = qf.narrow(0, start, len), oi = b.attn.narrow(0, start, len);
+    const torch::Tensor ki = keys.narrow(1, 0, ctx + len), vi = values.narrow(1, 0, ctx + len);
+    if (pass.tree_starts[i].has_value()) {
+      attend_tree_into(qi, ki, vi, ctx, *pass.tree_starts[i], *pass.tree_paths[i], pass.scale, oi);
+    } else {
+      attend_chain_into(qi, ki, vi, ctx, pass.scale, oi);
+    }
+    start += len;
+  }
+  if (b.attn_x.data_ptr() != b.attn.data_ptr()) b.attn_x.copy_(b.attn);  // the Python path's .to(x's dtype)
+  project_into(b.attn_x, w[4], kinds[3], c10::nullopt, b.o);
+  torch::Tensor mid = b.mid, gate = b.gate, y = out;  // handles (the out= operations take them by reference)
+  at::add_out(mid, x, b.o);
+  rms_norm_into(mid, w[5], pass.eps, b.h);
+  const torch::Tensor gate_up[2] = {b.gate, b.up};
+  const c10::optional<torch::Tensor> no_bias[2] = {c10::nullopt, c10::nullopt};
+  project_all_into(b.h, w + 6, kinds + 4, no_bias, gate_up, 2);
+  // silu(gate) * up, each in place: elementwise, the same bits as the Python path's new tensors
+  at::silu_out(gate, gate);
+  at::mul_out(gate, gate, b.up);
+  project_into(gate, w[8], kinds[6], c10::nullopt, b.down);
+  at::add_out(y, mid, b.down);
+}
+
+// the same arguments as layer_into, one layer a call with buffers of its own -> x after the layer
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
                             std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
@@ -60,44 +157,12 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vecto
                             std::vector<c10::optional<torch::Tensor>> tree_starts, std::vector<c10::optional<torch::Tensor>> tree_paths,
                             int64_t heads, int64_t kv_heads, double eps, double scale) {
   TORCH_CHECK(w.size() == 9 && kinds.size() == 7 && biases.size() == 3, "9 weights, 7 kinds, 3 biases");
-  TORCH_CHECK(slots.size() == context_lens.size() && slots.size() == query_lens.size() && slots.size() == tree_starts.size() &&
-                  slots.size() == tree_paths.size(),
-              "one slot, context, length and tree (or None) a sequence");
-  TORCH_CHECK(kcache.dim() == 4 && kcache.sizes() == vcache.sizes(), "caches [slots, kv_heads, max_len, d]");
-  const int64_t n = x.size(0), d = kcache.size(3);
-  int64_t rows = 0;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    TORCH_CHECK(context_lens[i] + query_lens[i] <= kcache.size(2), "sequence ", i, " runs past the cache's ", kcache.size(2), " positions");
-    rows += query_lens[i];
-  }
-  TORCH_CHECK(rows == n, "the query lengths add up to ", rows, ", x has ", n, " rows");
-
-  const torch::Tensor h = rms_norm(x, w[0], eps);
-  const std::vector<torch::Tensor> qkv = project_all(h, w, 1, kinds, 0, 3, biases);
-  const torch::Tensor q = rotary(qkv[0].view({n, heads, d}), cos, sin, positions);
-  const torch::Tensor k = rotary(qkv[1].view({n, kv_heads, d}), cos, sin, positions);
-  const torch::Tensor v = qkv[2].view({n, kv_heads, d});
-  std::vector<torch::Tensor> out;
-  out.reserve(slots.size());
-  int64_t start = 0;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const int64_t ctx = context_lens[i], len = query_lens[i];
-    const torch::Tensor keys = kcache.select(0, slots[i]), values = vcache.select(0, slots[i]);  // [kv_heads, max_len, d]
-    keys.narrow(1, ctx, len).copy_(k.narrow(0, start, len).transpose(0, 1));
-    values.narrow(1, ctx, len).copy_(v.narrow(0, start, len).transpose(0, 1));
-    const torch::Tensor qi = q.narrow(0, start, len).to(torch::kFloat32);
-    const torch::Tensor ki = keys.narrow(1, 0, ctx + len), vi = values.narrow(1, 0, ctx + len);
-    if (tree_starts[i].has_value()) {
-      TORCH_CHECK(tree_paths[i].has_value(), "sequence ", i, ": a tree's starts without its paths");
-      out.push_back(attend_tree(qi, ki, vi, ctx, *tree_starts[i], *tree_paths[i], scale));
-    } else {
-      out.push_back(attend_chain(qi, ki, vi, ctx, scale));
-    }
-    start += len;
-  }
-  const torch::Tensor attn = (out.size() == 1 ? out[0] : torch::cat(out)).to(x.scalar_type());
-  const torch::Tensor mid = x + project(attn, w[4], kinds[3], c10::nullopt);
-  const torch::Tensor h2 = rms_norm(mid, w[5], eps);
-  const std::vector<torch::Tensor> gate_up = project_all(h2, w, 6, kinds, 4, 2, {c10::nullopt, c10::nullopt});
-  return mid + project(at::silu(gate_up[0]) * gate_up[1], w[8], kinds[6], c10::nullopt);
+  TORCH_CHECK(x.dim() == 2, "x [n, hidden]");
+  const Pass pass{positions, cos, sin, slots, context_lens, query_lens, tree_starts, tree_paths, heads, kv_heads, eps, scale};
+  const int64_t n = x.size(0);
+  pass.check(n, kcache, vcache);
+  const Buffers b = Buffers::allocate(n, x.size(1), heads, kv_heads, kcache.size(3), out_features(w[6], kinds[4]), x.options());
+  torch::Tensor out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  layer_into(x, out, w.data(), kinds.data(), biases.data(), kcache, vcache, pass, b);
+  return out;
 }

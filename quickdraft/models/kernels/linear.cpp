@@ -15,28 +15,44 @@ const float* bias_f32(const c10::optional<torch::Tensor>& bias, torch::Tensor& k
 
 }  // namespace
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bfloat16 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K]");
-  x = x.contiguous();
+// y [M, N] contiguous, of x's dtype: written in place (forward.cpp's workspace); the entry points
+// below allocate it
+void linear_bf16_into(const torch::Tensor& x0, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, const torch::Tensor& y) {
+  TORCH_CHECK(x0.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(x0.dim() == 2 && w.dim() == 2 && x0.size(1) == w.size(1), "x [M, K] and w [N, K]");
+  const torch::Tensor x = x0.contiguous();
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.dim() == 2 && y.size(0) == M && y.size(1) == N,
+              "y [M, N] contiguous, of x's dtype");
   torch::Tensor b32;
   qd::linear_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(w.data_ptr()),
                   bias_f32(bias, b32), reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, N);
+}
+
+void linear_f32_into(const torch::Tensor& x0, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, const torch::Tensor& y) {
+  TORCH_CHECK(x0.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x0.dim() == 2 && w.dim() == 2 && x0.size(1) == w.size(1), "x [M, K] and w [N, K]");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  const torch::Tensor x = x0.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.dim() == 2 && y.size(0) == M && y.size(1) == N,
+              "y [M, N] contiguous, of x's dtype");
+  torch::Tensor b32;
+  qd::linear_f32(x.data_ptr<float>(), w.data_ptr<float>(), bias_f32(bias, b32), y.data_ptr<float>(), M, K, N);
+}
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x [M, K] and w [N, K]");
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  linear_bf16_into(x, w, bias, y);
   return y;
 }
 
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K]");
-  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b32;
-  qd::linear_f32(x.data_ptr<float>(), w.data_ptr<float>(), bias_f32(bias, b32), y.data_ptr<float>(), M, K, N);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x [M, K] and w [N, K]");
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  linear_f32_into(x, w, bias, y);
   return y;
 }
 
@@ -76,4 +92,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half rotary embedding of each row");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
   m.def("decoder_layer", &decoder_layer, "one decoder layer for chains or token trees of new tokens: the Python path's kernels in one call");
+  register_forward(m);  // forward.cpp: the whole decoder in one call
 }

@@ -1,0 +1,61 @@
+"""Attention metadata: where each sequence's new tokens go in a ragged batch, and the token-tree
+masks in the two forms the attention takes them (a boolean mask, or each row's path of tree tokens
+for the kernels). Passed explicitly to every forward, never stored (ARCHITECTURE.md point 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens go. Passed explicitly to every forward, never stored."""
+
+    slots: list[int]  # [batch] KV-cache slot of each sequence
+    context_lens: list[int]  # [batch] tokens of each sequence already in the cache
+    query_lens: list[int]  # [batch] new tokens of each sequence in this pass (sum = num_tokens)
+    # [batch] None: causal chain among the new tokens; else [query_len, hidden + query_len] bool,
+    # True = may attend (for token trees): the last ``hidden`` cached tokens (tree nodes an earlier
+    # pass wrote: a draft grows its tree a level a pass), then the new tokens. The cached tokens
+    # before those are always visible.
+    masks: list[torch.Tensor | None] | None = None
+
+    @classmethod
+    def chain(cls, slots, context_lens, query_lens) -> "AttentionMetadata":
+        return cls(list(slots), list(context_lens), list(query_lens), None)
+
+    def positions(self, device) -> torch.Tensor:
+        """[num_tokens] the position of each new token when the new tokens form chains."""
+        return torch.cat([torch.arange(c, c + q) for c, q in zip(self.context_lens, self.query_lens)]).to(device)
+
+    def mask(self, i: int) -> torch.Tensor | None:
+        """Sequence i's tree mask, or None for a chain."""
+        return self.masks[i] if self.masks is not None else None
+
+
+def tree_paths(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token tree's mask [qlen, hidden + qlen] -> (start [qlen + 1], path): row j's visible tree
+    tokens (its ancestors and itself, in order, counted from the first hidden one) are
+    path[start[j]:start[j + 1]]. The form kernels/attention.cpp's attend_tree takes."""
+    rows, cols = mask.cpu().nonzero(as_tuple=True)  # row-major: each row's columns ascending
+    counts = torch.bincount(rows, minlength=mask.shape[0])
+    return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]), cols.long()
+
+
+def pass_trees(meta: AttentionMetadata) -> tuple[list, list]:
+    """Each sequence's token tree as tree_paths gives it, (starts, paths) a list each with None for
+    a chain: computed once a pass, not once a layer."""
+    paths = [tree_paths(m) if m is not None else (None, None) for m in (meta.mask(i) for i in range(len(meta.slots)))]
+    return [p[0] for p in paths], [p[1] for p in paths]
+
+
+def attention_mask(meta: AttentionMetadata, i: int, ctx: int, qlen: int, device) -> torch.Tensor:
+    """[qlen, ctx + qlen] bool, True = may attend: the cached tokens before the tree's hidden
+    nodes, then the tree mask (or a causal chain's)."""
+    new = meta.mask(i)
+    if new is None:
+        new = torch.ones(qlen, qlen, dtype=torch.bool, device=device).tril()
+    shared = ctx + qlen - new.shape[1]
+    return torch.cat([torch.ones(qlen, shared, dtype=torch.bool, device=device), new.to(device)], dim=1)

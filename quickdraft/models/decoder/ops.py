@@ -1,0 +1,94 @@
+"""The decoder's row-wise operations: the linear projection in every weight format, RMSNorm and
+rotary position embeddings, each on quickdraft's CPU kernels where they run and on torch elsewhere.
+
+Batch invariance (ARCHITECTURE.md point 11): the projections take quickdraft's own CPU kernels
+(kernels/linear.cpp), invariant by construction in float32, bfloat16 and int8 on every instruction
+set they are built for (kernels/simd.h: AVX-512, AVX2, NEON and a portable one). torch's matmul is
+not: on an AMD EPYC its float32 tail rows (1..3 past a multiple of four) take another kernel, and
+on an Intel Xeon with AMX every float32 row count from 13 up does; so the torch fallback pads rows
+to a multiple of ``ROW_MULTIPLE``, which helps on some CPUs, and ``Decoder.batch_invariance`` says
+it promises nothing. Norms and rotary are per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quickdraft.models.ggml import BlockWeight
+from quickdraft.models.kernels import dense_linear, rowwise
+from quickdraft.models.quant import Int8Weight
+
+ROW_MULTIPLE = 4
+
+
+def _padded(n: int) -> int:
+    return -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    n = x.shape[0]
+    if n % ROW_MULTIPLE == 0:
+        return x, n
+    return torch.cat([x, x.new_zeros((_padded(n) - n,) + x.shape[1:])]), n
+
+
+def _bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [batch, rows, k] @ b [batch, k, n], with rows padded to a multiple of ROW_MULTIPLE for batch invariance."""
+    padded, rows = _pad_rows(a.transpose(0, 1))  # pad the rows dimension
+    return torch.matmul(padded.transpose(0, 1), b)[:, :rows]
+
+
+def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | BlockWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ weight[out, in].T (+ bias) -> [n, out]. A quantized weight (the int8 draft
+    format, models/quant.py; GGUF blocks, models/ggml.py) multiplies itself. A dense one takes our
+    batch-invariant CPU kernel for float32 and bfloat16 where the CPU has it (kernels/), else
+    torch's linear with the rows padded to a multiple of ROW_MULTIPLE."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
+    kernel = dense_linear(x.dtype, x.device) if x.dtype == weight.dtype and weight.is_contiguous() else None
+    if kernel is not None:
+        return kernel(x, weight, bias)
+    xp, n = _pad_rows(x)
+    return F.linear(xp, weight, bias)[:n]
+
+
+def nbytes(w) -> int:
+    """Bytes of a weight in any format (a dense tensor, Int8Weight, BlockWeight)."""
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, hidden]: normalized in float32, returned in x's dtype (as Hugging Face's LlamaRMSNorm);
+    on the CPU in one call (kernels/rowwise.cpp)."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        kernels = rowwise()
+        if kernels is not None:
+            return kernels.rms_norm(x, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """Rotary position embedding (Su et al. 2021) in the rotate-half layout of Hugging Face."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
+        self.cos = angles.cos().float().to(device)
+        self.sin = angles.sin().float().to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim], positions [n] -> rotated x (computed in float32; on the CPU in
+        one call, kernels/rowwise.cpp)."""
+        kernels = rowwise() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+        if kernels is not None:
+            return kernels.rotary(x, self.cos, self.sin, positions)
+        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)

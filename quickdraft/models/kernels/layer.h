@@ -1,0 +1,51 @@
+// One decoder layer written into given buffers: layer.cpp's decoder_layer runs it on buffers of its
+// own (one call a layer), forward.cpp's NativeDecoder on one workspace for every layer of a pass.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+constexpr int64_t DENSE = -1;  // a projection's kind: a dense weight of x's dtype; >= 0: a GGUF block format
+
+// What a pass's layers share: where its rows go and the model's shape. Sequence i's query_lens[i]
+// rows are its new tokens at positions context_lens[i].. of slot slots[i]: a causal chain, or where
+// tree_starts[i] and tree_paths[i] are given a token tree (row j sees the tree tokens
+// tree_paths[i][start[j] .. start[j + 1]], hidden nodes of earlier passes included:
+// attention.cpp's attend_tree).
+struct Pass {
+  torch::Tensor positions;  // [n] int64
+  torch::Tensor cos, sin;   // [max_positions, d] float32
+  std::vector<int64_t> slots, context_lens, query_lens;                // [batch]
+  std::vector<c10::optional<torch::Tensor>> tree_starts, tree_paths;   // [batch], None for a chain
+  int64_t heads, kv_heads;
+  double eps, scale;
+  // the metadata against n rows and a layer's caches [slots, kv_heads, max_len, d]: once a pass
+  void check(int64_t n, const torch::Tensor& kcache, const torch::Tensor& vcache) const;
+};
+
+// A layer's activations, n rows each, contiguous; x's dtype unless said.
+struct Buffers {
+  torch::Tensor h, mid, o, down;  // [n, hidden]
+  torch::Tensor q, k, v;          // [n, heads * d], [n, kv_heads * d], [n, kv_heads * d]
+  torch::Tensor qf, attn;         // [n, heads * d] float32 (qf is q's storage when x is float32)
+  torch::Tensor attn_x;           // [n, heads * d] (attn's storage when x is float32)
+  torch::Tensor gate, up;         // [n, intermediate]
+  // rows buffers of each width for x's options
+  static Buffers allocate(int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t intermediate,
+                          const torch::TensorOptions& options);
+  // the first n rows of each (views: no new storage)
+  Buffers first(int64_t n) const;
+};
+
+// The output width of a projection's weight: a dense [N, K] or block tiles [N / 16, bytes].
+inline int64_t out_features(const torch::Tensor& w, int64_t kind) { return kind == DENSE ? w.size(0) : w.size(0) * 16; }
+
+// x [n, hidden] -> out [n, hidden] after one layer (out may be x itself: x is last read before out
+// is first written). w: input norm, q, k, v, o, post-attention norm, gate, up, down; kinds: the 7
+// projections' (DENSE or a block format); biases: q, k, v's; kcache, vcache: this layer's
+// [slots, kv_heads, max_len, d], written at the new tokens' positions. The pass's metadata must
+// have passed Pass::check.
+void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const int64_t* kinds,
+                const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
+                const Pass& pass, const Buffers& b);
