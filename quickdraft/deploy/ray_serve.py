@@ -48,8 +48,9 @@ LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Ray Serve (--ray): replicas of this server on a Ray cluster")
-    g.add_argument("--ray", action="store_true",
-                   help="serve through Ray Serve: each replica builds its own engine behind Ray's HTTP proxy")
+    from quickdraft.arguments import add_switch
+
+    add_switch(g, "--ray", help="serve through Ray Serve: each replica builds its own engine behind Ray's HTTP proxy")
     g.add_argument("--ray-address", default=None,
                    help="the cluster to join (what `ray start --head` prints, or 'auto'); 'local': a new one on "
                         "this machine; default: $RAY_ADDRESS, else a cluster running here, else a new one")

@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from quickdraft.cli import DEFAULT_MODEL, add_model_args, resolve_model_args
+from quickdraft.arguments import DEFAULT_MODEL, HelpFormatter, add_model_args, add_switch, resolve_model_args
 
 # With "adaptive": false, speculation turns off for a step with at least this many running
 # sequences, unless --speculative-disable-by-batch-size or the JSON key says otherwise (the
@@ -28,11 +28,22 @@ from quickdraft.cli import DEFAULT_MODEL, add_model_args, resolve_model_args
 DEFAULT_DISABLE_BY_BATCH_SIZE = 6
 
 
-NEGATABLE = ("--enable-prefix-caching",)  # switches that are on by default and have a --no- form
+HELP = "an OpenAI-compatible HTTP server (continuous batching, speculative decoding)"
 
 
 def register(sub) -> None:
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
+    add_serve_args(sub.add_parser("serve", help=HELP))
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """``quickdraft serve``'s parser alone: what a server replica (Ray Serve, Triton) parses its
+    arguments with, without building (and importing) the other commands."""
+    p = argparse.ArgumentParser(prog="quickdraft serve", description=HELP, formatter_class=HelpFormatter)
+    add_serve_args(p)
+    return p
+
+
+def add_serve_args(s: argparse.ArgumentParser) -> None:
     add_model_args(s, positional=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -45,15 +56,15 @@ def register(sub) -> None:
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="turn speculation off for a step whose running batch has at least this many sequences "
                         f"(0: never; default: the JSON key, else never when adaptive, else {DEFAULT_DISABLE_BY_BATCH_SIZE})")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request (the next chat turn) reuses the KV cache of the longest prefix it shares with "
-                        "what the engine holds; outputs are the same either way (default: on)")
+    add_switch(s, "--enable-prefix-caching", default=True,
+               help="a request (the next chat turn) reuses the KV cache of the longest prefix it shares with "
+                    "what the engine holds; outputs are the same either way (default: on)")
     s.add_argument("--max-body-bytes", type=int, default=None,
                    help="the largest request body accepted; a larger one gets 413 (default: 33554432, 32 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, wait at most this many seconds for requests in flight (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--no-access-log", action="store_true")
+    add_switch(s, "--access-log", default=True, help="log each HTTP request (uvicorn's access log)")
     from quickdraft.deploy.ray_serve import add_ray_args
 
     add_ray_args(s)
@@ -127,28 +138,29 @@ def args_from_dict(values: dict, context: str) -> argparse.Namespace:
     ``context`` says where the dict came from in the error."""
     import shlex
 
-    from quickdraft.cli import build_parser
     from quickdraft.errors import ConfigError
 
-    argv = ["serve"]
+    parser = serve_parser()
+    switches = {o for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction) for o in a.option_strings}
+    argv = []
     for key, value in values.items():
         flag = "--" + str(key).strip("-").replace("_", "-")
         text = str(value)
         if isinstance(value, bool) or text.lower() in ("true", "false"):
             if text.lower() == "true":
                 argv.append(flag)
-            elif flag in NEGATABLE:  # on by default: false must say so
-                argv.append("--no-" + flag[2:])
+            elif flag in switches:  # false says the other side: --no-x for x, --x for no-x
+                argv.append("--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:])
             continue
         argv += [flag, *shlex.split(text)] if flag == "--served-model-name" else [flag, text]
     try:
-        return resolve_model_args(build_parser().parse_args(argv))
+        return resolve_model_args(parser.parse_args(argv))
     except SystemExit:  # argparse has printed what is wrong
-        raise ConfigError(f"bad quickdraft serve arguments in {context}: {argv[1:]}") from None
+        raise ConfigError(f"bad quickdraft serve arguments in {context}: {argv}") from None
 
 
 def serve(args) -> int:
-    from quickdraft.profile import describe
+    from quickdraft.cost import describe
 
     if args.ray:
         from quickdraft.deploy.ray_serve import serve_on_ray
@@ -166,7 +178,7 @@ def serve(args) -> int:
     async_engine, settings, app = build(args, own_thread=False)
     engine, spec, names = async_engine.engine, async_engine.engine.config.speculative, settings.served_model_names
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                        access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
+                        access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout)
     server = DrainingServer(uv, settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     log = logging.getLogger("quickdraft.server")
