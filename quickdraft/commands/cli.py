@@ -17,7 +17,7 @@ from quickdraft.engine.threads import set_threads
 from quickdraft.errors import QuickdraftError
 
 # in the order `quickdraft --help` lists them
-COMMANDS = ("quickdraft.commands.generate", "quickdraft.commands.models", "quickdraft.server.cli",
+COMMANDS = ("quickdraft.commands.generate", "quickdraft.commands.models", "quickdraft.commands.serve",
             "quickdraft.bench.cli", "quickdraft.commands.profile", "quickdraft.commands.check",
             "quickdraft.train.cli", "quickdraft.commands.advise")
 

@@ -162,7 +162,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from quickdraft.arguments import HelpFormatter, add_dtype_arg, add_flag
 
     p = argparse.ArgumentParser(prog="python -m quickdraft.server.loadgen", description=__doc__.split("\n\n")[0],
@@ -181,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for quickdraft serve")
     add_flag(p, "--result-dir", default=None, deprecated=("--out",), help="a directory for results.json and table.md")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     configs = args.speculative_config or ["none", '{"method": "ngram", "num_speculative_tokens": 4}']
     prompts = load_prompts(args.dataset, args.num_prompts)
     rows = []

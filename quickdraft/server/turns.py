@@ -81,11 +81,7 @@ def table(s: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tqdm import tqdm
-
-    from quickdraft.bench import datasets
-
+def parser() -> argparse.ArgumentParser:
     from quickdraft.arguments import HelpFormatter, add_dtype_arg, add_flag
 
     p = argparse.ArgumentParser(prog="python -m quickdraft.server.turns", description=__doc__.split("\n\n")[0],
@@ -98,7 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for both servers")
     add_flag(p, "--result-dir", default=None, deprecated=("--out",), help="a directory for results.json and table.md")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    from quickdraft.bench import datasets
+
+    args = parser().parse_args(argv)
     questions = [q for q in datasets.load("mtbench", args.num_prompts) if len(q.turns) >= 2]
     servers = {}
     try:
