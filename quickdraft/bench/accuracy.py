@@ -250,9 +250,9 @@ def pairs(outputs: dict[str, list]) -> list[dict]:
 
 def divergences(outputs: dict[str, list], prompts: list[list[int]], ref) -> list[dict]:
     """Where each pair's outputs first differ, per problem, with the reference Decoder's top-1 -
-    top-2 logit margin over the common prefix (bench/harness.py's top2_margin): a small margin
+    top-2 logit margin over the common prefix (measure.py's top2_margin): a small margin
     there is a near-tie that any rounding can turn, a large one is not."""
-    from quickdraft.bench.harness import top2_margin
+    from quickdraft.measure import top2_margin
 
     out, margins = [], {}
     names = [n for n in PATHS if n in outputs]
