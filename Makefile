@@ -91,10 +91,10 @@ bench: $(VENV)/.qwen
 		|| $(PIP) uninstall -y llama-cpp-python 2>/dev/null || true
 	$(PY) -c "import llama_cpp, transformers" 2>/dev/null \
 		|| CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir -c constraints.txt -e '.[peers]'
-	$(PY) -m quickdraft.cli bench --suite standard --out bench-out/standard
+	$(PY) -m quickdraft bench --suite standard --result-dir bench-out/standard
 
 bench-quick: $(VENV)/.qwen
-	$(PY) -m quickdraft.cli bench --suite quick --out bench-out/quick
+	$(PY) -m quickdraft bench --suite quick --result-dir bench-out/quick
 
 # The Qwen 1.5B's EAGLE-3 and Medusa heads and distilled 0.5B draft, trained on this machine (README,
 # "Trained heads"): 150k tokens of the installed packages' sources labelled by the target (19 min
@@ -103,11 +103,11 @@ bench-quick: $(VENV)/.qwen
 # LoRA (12-35 s a step of two windows here, so 100 steps take 20-60 min; peak RSS 11-13.5 GiB, mostly
 # the two models and the labelled data). Weights go to
 # $QUICKDRAFT_CACHE/heads/, never into the repository; rerun to resume after an interruption.
-TRAIN_DATA := --model qwen2.5-coder-1.5b-instruct --max-tokens 150000 --seq-len 512 --batch-size 2
+TRAIN_DATA := --model qwen2.5-coder-1.5b-instruct --num-label-tokens 150000 --seq-len 512 --batch-size 2
 train-heads: $(VENV)/.qwen
-	$(PY) -m quickdraft.cli train eagle3 $(TRAIN_DATA) --draft-vocab-size 16384 --steps 450
-	$(PY) -m quickdraft.cli train medusa $(TRAIN_DATA) --draft-vocab-size 16384 --steps 300
-	$(PY) -m quickdraft.cli train draft $(TRAIN_DATA) --draft qwen2.5-coder-0.5b-instruct --steps 100
+	$(PY) -m quickdraft train eagle3 $(TRAIN_DATA) --draft-vocab-size 16384 --steps 450
+	$(PY) -m quickdraft train medusa $(TRAIN_DATA) --draft-vocab-size 16384 --steps 300
+	$(PY) -m quickdraft train draft $(TRAIN_DATA) --draft-model qwen2.5-coder-0.5b-instruct --steps 100
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache

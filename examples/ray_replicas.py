@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray
 from ray import serve
 
-from quickdraft.cli import build_parser
+from quickdraft.server.cli import serve_parser
 from quickdraft.deploy.ray_serve import APP_NAME, build_application
 
 MODEL, PORT, STREAMS, REQUESTS, TOKENS = "smollm2-135m-instruct", 8790, 8, 32, 48
@@ -40,7 +40,7 @@ def one(i):
 res = {c: [] for c in CONFIGS}
 for rnd in range(rounds):
     for name, (replicas, cpus) in CONFIGS.items():
-        args = build_parser().parse_args(["serve", "--ray", "--model", MODEL, "--num-replicas", replicas,
+        args = serve_parser().parse_args(["--ray", "--model", MODEL, "--num-replicas", replicas,
                                           "--replica-cpus", cpus, "--max-num-seqs", "8"])
         serve.run(build_application(args), name=APP_NAME, route_prefix="/")
         with cf.ThreadPoolExecutor(STREAMS) as pool:

@@ -19,7 +19,7 @@ args, serve_flags = p.parse_known_args()
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-cmd = [sys.executable, "-m", "quickdraft.cli", "serve", "--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
+cmd = [sys.executable, "-m", "quickdraft", "serve", "--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
        "--port", str(port), "--no-access-log", "--log-level", "warning", *serve_flags]
 proc = subprocess.Popen(cmd)
 try:

@@ -1,6 +1,7 @@
 """quickdraft: lossless speculative decoding for llama / qwen2 models, on CPU or GPU."""
 
 from quickdraft.engine.threads import passive_waits
+from quickdraft.version import __version__
 
 with passive_waits():  # quickdraft.llm imports torch, which loads the OpenMP runtime
     import torch  # noqa: F401
@@ -8,5 +9,4 @@ with passive_waits():  # quickdraft.llm imports torch, which loads the OpenMP ru
     from quickdraft.llm import LLM
     from quickdraft.sampling import SamplingParams
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

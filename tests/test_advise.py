@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from quickdraft.advise import MIN_SPEEDUP, decide, drafters, waves
-from quickdraft.cli import main
+from quickdraft.commands.advise import MIN_SPEEDUP, decide, drafters, waves
+from quickdraft.commands.cli import main
 from quickdraft.errors import ConfigError
 
 MIB = 2**20
@@ -69,10 +69,10 @@ def test_advise_end_to_end(smollm2_path, tmp_path, capsys):
         json.dumps({"prompt": "The capital of France is Paris. The capital of Italy is Rome. The capital of France is"})
         + "\n" + json.dumps({"turns": ["Count from one to five."]}) + "\n")
     out = tmp_path / "out"
-    assert main(["advise", str(prompts), "--methods", "ngram", "--max-tokens", "4", "--batch-sizes", "1,2",
-                 "--num-speculative-tokens", "3", "--max-model-len", "256", "--out", str(out)]) == 0
+    assert main(["advise", str(prompts), "--methods", "ngram", "--max-tokens", "4", "--batch-size", "1,2",
+                 "--num-speculative-tokens", "3", "--max-model-len", "256", "--result-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    r = json.loads((out / "result.json").read_text())
+    r = json.loads((out / "results.json").read_text())
     assert [run["batch"] for run in r["baseline"]["runs"]] == [1, 2]
     assert r["baseline"]["runs"][0]["requests"] == 2 and r["baseline"]["runs"][1]["requests"] == 2
     [ngram] = r["drafters"]
@@ -82,4 +82,4 @@ def test_advise_end_to_end(smollm2_path, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "## Verdict" in report and "| ngram |" in report and "(advise_speedup.png)" in report
     assert (out / "advise_speedup.png").stat().st_size > 0
-    assert main(["advise", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2  # a clear error, not a trace
+    assert main(["advise", str(tmp_path / "missing.jsonl"), "--result-dir", str(out)]) == 2  # a clear error, not a trace

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from quickdraft.check import verdict
-from quickdraft.cli import main
+from quickdraft.commands.check import verdict
+from quickdraft.commands.cli import main
 from quickdraft.engine import runner
 
-SHORT = ["--num-prompts", "3", "--max-tokens", "12", "--seeds", "24", "--sampled-prompts", "1",
+SHORT = ["--num-prompts", "3", "--max-tokens", "12", "--num-seeds", "24", "--num-sampled-prompts", "1",
          "--sample-tokens", "4"]
 
 
@@ -62,7 +62,7 @@ def test_a_broken_verifier_fails(capsys, smollm2_path, monkeypatch):
     monkeypatch.setattr(runner, "verify", accepts_everything)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     code, r = _check(capsys, smollm2_path, "float32", spec, "--num-prompts", "3", "--max-tokens", "24",
-                     "--seeds", "32", "--sampled-prompts", "1", "--sample-tokens", "6")
+                     "--num-seeds", "32", "--num-sampled-prompts", "1", "--sample-tokens", "6")
     assert code == 1 and r["verdict"] == "FAIL"
     bad = [p for p in r["greedy"]["prompts"] if not p["identical"]]
     assert bad and all(p["position"] >= 0 and p["margin"] >= 0 for p in bad)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from quickdraft.cli import main
+from quickdraft.commands.cli import main
 from quickdraft.errors import ConfigError
 from quickdraft.models import registry
 
@@ -102,13 +102,13 @@ def test_checksum_mismatch_names_the_file(capsys, monkeypatch, smollm2_path, tmp
 
 
 def test_a_real_process_exits_2_without_traceback():
-    p = subprocess.run([sys.executable, "-m", "quickdraft.cli", "generate", "x", "--speculative-config", "[1]"],
+    p = subprocess.run([sys.executable, "-m", "quickdraft", "generate", "x", "--speculative-config", "[1]"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "JSON object" in p.stderr
 
 
 def test_the_model_may_come_first_as_vllm_takes_it():
-    from quickdraft.cli import build_parser, resolve_model_args
+    from quickdraft.commands.cli import build_parser, resolve_model_args
     from quickdraft.server.cli import args_from_dict
 
     serve = lambda *argv: resolve_model_args(build_parser().parse_args(["serve", *argv]))  # noqa: E731
@@ -123,7 +123,7 @@ def test_the_model_may_come_first_as_vllm_takes_it():
 
 
 def test_generate_takes_model_then_prompt(monkeypatch):
-    from quickdraft import cli
+    from quickdraft.commands import cli
 
     seen = []
 

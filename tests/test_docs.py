@@ -43,7 +43,7 @@ def _parsers(parser):
 
 
 def test_every_default_is_shown_in_help():
-    from quickdraft.cli import build_parser
+    from quickdraft.commands.cli import build_parser
 
     parsers = list(_parsers(build_parser()))
     assert len(parsers) > 8  # every subcommand, train's and bench's included
@@ -58,7 +58,7 @@ def test_version_flag(capsys):
     import pytest
 
     from quickdraft import __version__
-    from quickdraft.cli import build_parser
+    from quickdraft.commands.cli import build_parser
 
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["--version"])

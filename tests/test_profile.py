@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from quickdraft.cli import main
-from quickdraft.engine.cost import LinearCost
-from quickdraft.profile import predict
+from quickdraft.commands.cli import main
+from quickdraft.cost import LinearCost
+from quickdraft.commands.profile import predict
 
 
 def test_predict_turns_speculation_off_where_rows_are_dear():
@@ -22,7 +22,7 @@ def test_predict_turns_speculation_off_where_rows_are_dear():
 def test_profile_command(capsys, tmp_path, smollm2_path):
     png = tmp_path / "plan.png"
     code = main(["profile", "--model", str(smollm2_path), "--speculative-config", '{"method": "ngram"}',
-                 "--batch-sizes", "1,4", "--acceptance-rates", "0.3,0.8", "--json", "--plot", str(png)])
+                 "--batch-size", "1,4", "--acceptance-rates", "0.3,0.8", "--json", "--plot", str(png)])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     cost = out["target_cost"]  # a busy machine may fit the fixed cost at 0 and put it all in the rows

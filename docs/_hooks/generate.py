@@ -1,7 +1,7 @@
 """mkdocs hook: the pages made at build time from the code and the committed results.
 
 - ``cli.md``: every subcommand's ``--help``, from the argparse parsers themselves
-  (``quickdraft.cli.build_parser``), so the reference cannot drift from the flags.
+  (``quickdraft.commands.cli.build_parser``), so the reference cannot drift from the flags.
 - ``benchmarks/index.md``: one current table per CPU class, from the ``results.json`` of the runs
   named in ``CURRENT`` (committed under ``benchmarks/archive``).
 - ``benchmarks/archive/index.md``: one line per archived run, from each folder's README header.
@@ -38,7 +38,7 @@ def _subparsers(parser: argparse.ArgumentParser):
 
 
 def cli_reference() -> str:
-    from quickdraft.cli import build_parser
+    from quickdraft.commands.cli import build_parser
 
     parser = build_parser()
     parts = [f"## `quickdraft`\n\n```text\n{parser.format_help()}```\n"]

@@ -1,8 +1,8 @@
 """``quickdraft bench accuracy``: how far a GGUF model on its stored blocks (activations quantized
 to int8 in blocks of 32, kernels/blocks.cpp) is from the same file dequantized, and from llama.cpp.
 
-    quickdraft bench accuracy --model qwen2.5-coder-1.5b-instruct --limit 10 \\
-        --greedy-limit 5 --max-tokens 64 --out bench-out/accuracy
+    quickdraft bench accuracy --model qwen2.5-coder-1.5b-instruct --num-prompts 10 \\
+        --num-greedy-prompts 5 --max-tokens 64 --result-dir bench-out/accuracy
 
 Two measures:
 
@@ -250,9 +250,9 @@ def pairs(outputs: dict[str, list]) -> list[dict]:
 
 def divergences(outputs: dict[str, list], prompts: list[list[int]], ref) -> list[dict]:
     """Where each pair's outputs first differ, per problem, with the reference Decoder's top-1 -
-    top-2 logit margin over the common prefix (bench/harness.py's top2_margin): a small margin
+    top-2 logit margin over the common prefix (measure.py's top2_margin): a small margin
     there is a near-tie that any rounding can turn, a large one is not."""
-    from quickdraft.bench.harness import top2_margin
+    from quickdraft.measure import top2_margin
 
     out, margins = [], {}
     names = [n for n in PATHS if n in outputs]
@@ -399,52 +399,57 @@ def markdown(result: dict) -> str:
 def register(subparsers) -> None:
     p = subparsers.add_parser("accuracy", help="int8-activation blocks vs the dequantized path, and vs llama.cpp",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from quickdraft.arguments import add_dtype_arg, add_flag, add_switch
+
     d = AccuracyConfig()
     p.add_argument("--model", default=d.model, help="a built-in name or a .gguf file")
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"],
-                   help="the dequantized weights' and both paths' activations")
+    add_dtype_arg(p, help="the dequantized weights' and both paths' activations")
     p.add_argument("--device", default=d.device)
-    p.add_argument("--limit", type=int, default=d.limit, help="HumanEval problems teacher-forced (0: none)")
+    add_flag(p, "--num-prompts", type=int, default=d.limit, deprecated=("--limit",),
+             help="HumanEval problems teacher-forced (0: none)")
     p.add_argument("--chunk", type=int, default=d.chunk, help="tokens per prefill pass")
-    p.add_argument("--greedy-limit", type=int, default=d.greedy_limit, help="HumanEval problems decoded whole (0: none)")
+    add_flag(p, "--num-greedy-prompts", type=int, default=d.greedy_limit, deprecated=("--greedy-limit",),
+             help="HumanEval problems decoded whole (0: none)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per whole output")
-    p.add_argument("--no-llama-cpp", action="store_true", help="compare whole outputs within quickdraft only")
+    add_switch(p, "--llama-cpp", default=True, help="compare whole outputs with llama.cpp's too (--no-llama-cpp: "
+                                                    "within quickdraft only)")
     p.add_argument("--peer-timeout", type=float, default=d.peer_timeout, help="seconds llama.cpp's child may run")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--out", help="write accuracy.json and accuracy.md into this folder")
-    p.add_argument("--no-progress", action="store_true")
+    add_flag(p, "--result-dir", deprecated=("--out",), help="write accuracy.json and accuracy.md into this folder")
+    add_switch(p, "--progress", default=True, help="a progress bar")
     p.set_defaults(func=run)
 
 
 def config_from_args(args) -> AccuracyConfig:
-    if args.limit < 0 or args.greedy_limit < 0 or args.chunk < 1 or args.max_tokens < 1:
-        raise ConfigError("--limit and --greedy-limit must be >= 0, --chunk and --max-tokens >= 1")
-    return AccuracyConfig(model=args.model, dtype=args.dtype, device=args.device, limit=args.limit, chunk=args.chunk,
-                          greedy_limit=args.greedy_limit, max_tokens=args.max_tokens, llama_cpp=not args.no_llama_cpp,
+    if args.num_prompts < 0 or args.num_greedy_prompts < 0 or args.chunk < 1 or args.max_tokens < 1:
+        raise ConfigError("--num-prompts and --num-greedy-prompts must be >= 0, --chunk and --max-tokens >= 1")
+    return AccuracyConfig(model=args.model, dtype=args.dtype, device=args.device, limit=args.num_prompts,
+                          chunk=args.chunk, greedy_limit=args.num_greedy_prompts, max_tokens=args.max_tokens,
+                          llama_cpp=args.llama_cpp,
                           peer_timeout=args.peer_timeout, max_model_len=args.max_model_len)
 
 
 def command_line(c: AccuracyConfig, out: str | None) -> str:
     parts = ["quickdraft", "bench", "accuracy", "--model", c.model, "--dtype", c.dtype, "--device", c.device,
-             "--limit", str(c.limit), "--chunk", str(c.chunk), "--greedy-limit", str(c.greedy_limit),
+             "--num-prompts", str(c.limit), "--chunk", str(c.chunk), "--num-greedy-prompts", str(c.greedy_limit),
              "--max-tokens", str(c.max_tokens)]
     parts += [] if c.llama_cpp else ["--no-llama-cpp"]
-    return shlex.join(parts + (["--out", out] if out else []))
+    return shlex.join(parts + (["--result-dir", out] if out else []))
 
 
 def run(args) -> int:
-    from quickdraft.bench.cli import machine, versions
+    from quickdraft.measure import machine, versions
 
     started = time.time()
     c = config_from_args(args)
-    result = {"schema": "quickdraft.bench.accuracy/1", "command": command_line(c, args.out), "argv": list(sys.argv),
+    result = {"schema": "quickdraft.bench.accuracy/1", "command": command_line(c, args.result_dir), "argv": list(sys.argv),
               "config": asdict(c), "machine": machine(), "versions": versions()}
-    result.update(run_accuracy(c, progress=not args.no_progress))
+    result.update(run_accuracy(c, progress=args.progress))
     result["duration_s"] = time.time() - started
     text = markdown(result)
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if args.result_dir:
+        out = Path(args.result_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "accuracy.json").write_text(json.dumps(result, indent=1))
         (out / "accuracy.md").write_text(text + "\n")

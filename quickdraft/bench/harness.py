@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,11 +26,10 @@ import torch
 
 from quickdraft.bench import datasets, stats
 from quickdraft.bench.floor import floor, measure_bandwidth
-from quickdraft.cli import summarize
 from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError
-from quickdraft.kv_cache import KVCache
-from quickdraft.models.decoder import AttentionMetadata, nbytes
+from quickdraft.measure import RssSampler, summarize, top2_margin
+from quickdraft.models.decoder import nbytes
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.proposers.heads import head_bytes
 from quickdraft.sampling import SamplingParams
@@ -46,7 +44,7 @@ class Variant:
     lookup_max: int | None = None  # ngram only
     lookup_min: int | None = None
     draft: str | None = None  # draft_model only: the draft's name or path
-    adaptive: bool = True  # K planned per step up to k (engine/cost.py); False: always k
+    adaptive: bool = True  # K planned per step up to k (quickdraft/cost.py); False: always k
     branches: int = 1  # ngram, suffix: > 1 drafts token trees of at most k nodes
     cross_tokenizer: bool = False  # draft_model: the draft proposes through text (proposers/draft_text.py)
     # any other keys of the speculative config, as (key, value) pairs (--speculative-config's
@@ -155,40 +153,6 @@ class Request:
         return {**asdict(self), "num_prompt_tokens": len(self.prompt_token_ids)}
 
 
-class RssSampler:
-    """Peak resident memory of this process while a block runs, sampled every ``interval`` s
-    (from /proc/self/statm; elsewhere the process's lifetime peak from getrusage)."""
-
-    def __init__(self, interval: float = 0.01):
-        self.interval, self.peak = interval, 0
-        self._stop = threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-    def _read(self) -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * self._page
-        except OSError:
-            import resource
-
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    def _loop(self):
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._read())
-
-    def __enter__(self):
-        self.peak = self._read()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._read())
-
-
 def timed_generate(llm, ids: list[int], params: SamplingParams) -> dict:
     """One request alone on ``llm``: its tokens, timing, speculative counters and peak RSS."""
     with RssSampler() as rss:
@@ -205,21 +169,6 @@ def timed_generate(llm, ids: list[int], params: SamplingParams) -> dict:
         "drafts_per_position": list(s.drafts_per_position), "accepted_per_position": list(s.accepted_per_position),
         "peak_rss_mib": rss.peak / MIB,
     }
-
-
-def top2_margin(decoder, ids: list[int]) -> dict:
-    """The target's plain forward over ``ids``: its two best next tokens and their logit margin.
-    ``rounding_level``: the margin is within 4 ulps of the top logit in the model's dtype, so a
-    rounding difference between a verification pass and a decoding step can flip the argmax."""
-    kv = KVCache(decoder.config, 1, len(ids), decoder.dtype, decoder.device)
-    meta = AttentionMetadata.chain([0], [0], [len(ids)])
-    tokens = torch.tensor(ids, dtype=torch.long, device=decoder.device)
-    hidden = decoder.forward(tokens, meta.positions(decoder.device), kv, meta)
-    top = decoder.logits(hidden[-1:])[0].topk(2)
-    v, i = top.values.tolist(), top.indices.tolist()
-    unit = stats.ulp(v[0], torch.finfo(decoder.dtype).eps)
-    return {"top1_token": i[0], "top2_token": i[1], "top1_logit": v[0], "top2_logit": v[1],
-            "margin": v[0] - v[1], "ulp": unit, "rounding_level": v[0] - v[1] <= 4 * unit}
 
 
 class Harness:

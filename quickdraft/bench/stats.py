@@ -2,7 +2,7 @@
 
 Terms:
 - *tokens/s* of one run: tokens after the first over the time from the first token to the last
-  (``quickdraft.cli.summarize``), so that time to first token (TTFT) is reported apart.
+  (``quickdraft.measure.summarize``), so that time to first token (TTFT) is reported apart.
 - *speedup* of a method on a request: its tokens/s over ``none``'s on the same request (and seed),
   both measured in the same run. A group's speedup is the median of those paired ratios; the
   geometric mean is given too (ratios multiply, so it is the mean that is symmetric in them).
@@ -196,8 +196,3 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def ulp(x: float, eps: float) -> float:
-    """The spacing of floating-point numbers with machine epsilon ``eps`` around x."""
-    if x == 0:
-        return eps
-    return 2.0 ** math.floor(math.log2(abs(x))) * eps

@@ -46,33 +46,6 @@ DEPLOYMENT_NAME = "quickdraft"
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 
 
-def add_ray_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Ray Serve (--ray): replicas of this server on a Ray cluster")
-    g.add_argument("--ray", action="store_true",
-                   help="serve through Ray Serve: each replica builds its own engine behind Ray's HTTP proxy")
-    g.add_argument("--ray-address", default=None,
-                   help="the cluster to join (what `ray start --head` prints, or 'auto'); 'local': a new one on "
-                        "this machine; default: $RAY_ADDRESS, else a cluster running here, else a new one")
-    g.add_argument("--num-replicas", type=int, default=None,
-                   help="a fixed number of replicas (default 1, unless --min/--max-replicas autoscale)")
-    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas (default 1)")
-    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: the most replicas")
-    g.add_argument("--target-ongoing-requests", type=float, default=None,
-                   help="autoscaling: requests (running and queued) per replica to aim at (default: "
-                        "--max-num-seqs / 2)")
-    g.add_argument("--replica-cpus", type=float, default=1.0,
-                   help="CPUs Ray reserves for each replica; torch uses that many threads (default 1)")
-    g.add_argument("--replica-gpus", type=float, default=None,
-                   help="GPUs for each replica (default: 1 with --device cuda*, else 0)")
-
-
-def ray_only_flags(args: argparse.Namespace) -> list[str]:
-    """The Ray flags given a value other than their default (a mistake without --ray)."""
-    defaults = {"ray_address": None, "num_replicas": None, "min_replicas": None, "max_replicas": None,
-                "target_ongoing_requests": None, "replica_cpus": 1.0, "replica_gpus": None}
-    return ["--" + k.replace("_", "-") for k, v in defaults.items() if getattr(args, k) != v]
-
-
 def deployment_options(args: argparse.Namespace) -> dict:
     """Ray Serve's deployment options from ``quickdraft serve``'s flags (see the module's table).
     Raises ConfigError for flags that contradict each other."""

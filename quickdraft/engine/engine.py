@@ -13,7 +13,7 @@ import itertools
 import time
 
 from quickdraft.config import EngineConfig
-from quickdraft.engine.cost import TRUSTED_PASSES, Acceptance, calibrate, expected_tokens, plan_draft_lengths
+from quickdraft.cost import TRUSTED_PASSES, Acceptance, calibrate, expected_tokens, plan_draft_lengths
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
 from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.runner import Runner, StepResult
@@ -135,7 +135,7 @@ class Engine:
     def _num_draft(self, seqs: list[Sequence]) -> list[int]:
         """K for each sequence this step: none on its prompt pass, never more than it can use,
         none when the batch has reached ``disable_by_batch_size``, and with ``adaptive`` as many
-        as pay for themselves (engine/cost.py)."""
+        as pay for themselves (quickdraft/cost.py)."""
         spec = self.config.speculative
         if not spec.enabled or (spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size):
             return [0] * len(seqs)

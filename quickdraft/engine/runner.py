@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.engine.cost import LinearCost, TreeChoice, key_reads, plan_tree_sizes
+from quickdraft.cost import LinearCost, TreeChoice, key_reads, plan_tree_sizes
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence, TokenLogprob

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.engine.cost import Acceptance
+from quickdraft.cost import Acceptance
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
 from quickdraft.sampling import SamplingParams
 from quickdraft.structured import GrammarMatcher
@@ -142,7 +142,7 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
-    acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (engine/cost.py)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (quickdraft/cost.py)
     steps_without_drafts: int = 0  # decoding steps since its last draft (for probing)
     grammar: GrammarMatcher | None = None  # params.structured's state after output_token_ids
     detokenizer: IncrementalDetokenizer | None = None  # output_token_ids' text, kept up to date by the engine

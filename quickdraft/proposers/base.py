@@ -3,7 +3,7 @@
 A proposer guesses up to K tokens for each running sequence (``propose``) and hears how many the
 verifier kept (``observe``), like Hugging Face's ``CandidateGenerator`` (``get_candidates``,
 ``update_candidate_strategy``). The engine never asks which proposer it holds: a method is a name
-in ``REGISTRY`` and a class with ``from_config``.
+in ``REGISTRY`` (a table of module paths, imported on demand) and a class with ``from_config``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from quickdraft.verify.penalties import shapes_logits
 
 if TYPE_CHECKING:
     from quickdraft.config import SpeculativeConfig
-    from quickdraft.engine.cost import LinearCost
+    from quickdraft.cost import LinearCost
     from quickdraft.engine.sequence import Sequence
     from quickdraft.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
@@ -86,7 +86,7 @@ class ProposerContext:
 
 
 class Proposer(Protocol):
-    # What one draft pass costs (engine/cost.py), for planning K; None: drafts are free to make.
+    # What one draft pass costs (quickdraft/cost.py), for planning K; None: drafts are free to make.
     cost: "LinearCost | None"
 
     def propose(self, seqs: list["Sequence"], num_tokens: list[int]) -> DraftProposal:
@@ -132,22 +132,39 @@ def accepts_trees(params) -> bool:
     return params.logprobs is None and params.structured is None and not shapes_logits(params)
 
 
-REGISTRY: dict[str, type] = {}
+# method name -> (module, class): an explicit table, so that this module imports no proposer and
+# a method's module is imported only when an engine asks for it
+REGISTRY: dict[str, tuple[str, str]] = {
+    "none": ("quickdraft.proposers.none", "NoProposer"),
+    "ngram": ("quickdraft.proposers.ngram", "NgramProposer"),
+    "suffix": ("quickdraft.proposers.suffix", "SuffixProposer"),
+    "draft_model": ("quickdraft.proposers.draft_model", "DraftModelProposer"),
+    "eagle3": ("quickdraft.proposers.eagle3", "Eagle3Proposer"),
+    "medusa": ("quickdraft.proposers.medusa", "MedusaProposer"),
+    "layer_skip": ("quickdraft.proposers.layer_skip", "LayerSkipProposer"),
+}
 
 
 def register(name: str):
+    """Marks a proposer class as REGISTRY's ``name`` (its ``method``); the table says where it lives."""
     def wrap(cls):
-        REGISTRY[name] = cls
+        if REGISTRY.get(name) != (cls.__module__, cls.__name__):
+            raise ValueError(f"proposer {name!r}: add {cls.__module__}.{cls.__name__} to proposers/base.py's REGISTRY")
         cls.method = name
         return cls
 
     return wrap
 
 
-def create_proposer(spec: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
-    # Importing the modules fills REGISTRY; they only define classes.
-    from quickdraft.proposers import draft_model, eagle3, layer_skip, medusa, ngram, none, suffix  # noqa: F401
+def proposer_class(method: str) -> type:
+    """The class of ``method``, its module imported now."""
+    import importlib
 
-    if spec.method not in REGISTRY:
-        raise ConfigError(f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[spec.method].from_config(spec, ctx)
+    if method not in REGISTRY:
+        raise ConfigError(f"unknown speculative method {method!r}; valid: {', '.join(sorted(REGISTRY))}")
+    module, name = REGISTRY[method]
+    return getattr(importlib.import_module(module), name)
+
+
+def create_proposer(spec: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
+    return proposer_class(spec.method).from_config(spec, ctx)

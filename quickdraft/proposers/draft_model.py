@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from quickdraft.engine.cost import calibrate, key_reads
+from quickdraft.cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.engine.cost import LinearCost, calibrate, expected_tokens, key_reads
+from quickdraft.cost import LinearCost, calibrate, expected_tokens, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.models.decoder import AttentionMetadata, Decoder, linear, nbytes
 from quickdraft.proposers import draft_vocab

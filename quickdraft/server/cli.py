@@ -1,5 +1,7 @@
-"""``quickdraft serve``: the model and speculative flags of ``quickdraft generate``, plus the
-server's own (named like ``vllm serve``'s).
+"""``quickdraft serve``'s flags (the model and speculative flags of ``quickdraft generate``, plus
+the server's own, named like ``vllm serve``'s, and the Ray Serve ones) and the server they build.
+A replica (deploy/: Ray Serve, Triton) parses its flags with ``serve_parser`` or ``args_from_dict``
+and imports no command; the ``serve`` command itself is commands/serve.py.
 
 SIGTERM drains: new requests get a 503 (with Retry-After) and ``/health`` a 503 while the
 requests in flight run to their end; then the listening socket closes and the process exits with
@@ -10,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import signal
-import sys
 
 import uvicorn
 
-from quickdraft.cli import DEFAULT_MODEL, add_model_args, resolve_model_args
+from quickdraft.arguments import HelpFormatter, add_model_args, add_switch, resolve_model_args
 
 # With "adaptive": false, speculation turns off for a step with at least this many running
 # sequences, unless --speculative-disable-by-batch-size or the JSON key says otherwise (the
@@ -28,11 +28,18 @@ from quickdraft.cli import DEFAULT_MODEL, add_model_args, resolve_model_args
 DEFAULT_DISABLE_BY_BATCH_SIZE = 6
 
 
-NEGATABLE = ("--enable-prefix-caching",)  # switches that are on by default and have a --no- form
+HELP = "an OpenAI-compatible HTTP server (continuous batching, speculative decoding)"
 
 
-def register(sub) -> None:
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculative decoding)")
+def serve_parser() -> argparse.ArgumentParser:
+    """``quickdraft serve``'s parser alone: what a server replica (Ray Serve, Triton) parses its
+    arguments with, without building (and importing) the other commands."""
+    p = argparse.ArgumentParser(prog="quickdraft serve", description=HELP, formatter_class=HelpFormatter)
+    add_serve_args(p)
+    return p
+
+
+def add_serve_args(s: argparse.ArgumentParser) -> None:
     add_model_args(s, positional=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -45,19 +52,42 @@ def register(sub) -> None:
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="turn speculation off for a step whose running batch has at least this many sequences "
                         f"(0: never; default: the JSON key, else never when adaptive, else {DEFAULT_DISABLE_BY_BATCH_SIZE})")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request (the next chat turn) reuses the KV cache of the longest prefix it shares with "
-                        "what the engine holds; outputs are the same either way (default: on)")
+    add_switch(s, "--enable-prefix-caching", default=True,
+               help="a request (the next chat turn) reuses the KV cache of the longest prefix it shares with "
+                    "what the engine holds; outputs are the same either way (default: on)")
     s.add_argument("--max-body-bytes", type=int, default=None,
                    help="the largest request body accepted; a larger one gets 413 (default: 33554432, 32 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, wait at most this many seconds for requests in flight (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--no-access-log", action="store_true")
-    from quickdraft.deploy.ray_serve import add_ray_args
-
+    add_switch(s, "--access-log", default=True, help="log each HTTP request (uvicorn's access log)")
     add_ray_args(s)
-    s.set_defaults(func=serve)
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray Serve (--ray): replicas of this server on a Ray cluster")
+    add_switch(g, "--ray", help="serve through Ray Serve: each replica builds its own engine behind Ray's HTTP proxy")
+    g.add_argument("--ray-address", default=None,
+                   help="the cluster to join (what `ray start --head` prints, or 'auto'); 'local': a new one on "
+                        "this machine; default: $RAY_ADDRESS, else a cluster running here, else a new one")
+    g.add_argument("--num-replicas", type=int, default=None,
+                   help="a fixed number of replicas (default 1, unless --min/--max-replicas autoscale)")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas (default 1)")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: the most replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling: requests (running and queued) per replica to aim at (default: "
+                        "--max-num-seqs / 2)")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves for each replica; torch uses that many threads (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs for each replica (default: 1 with --device cuda*, else 0)")
+
+
+def ray_only_flags(args: argparse.Namespace) -> list[str]:
+    """The Ray flags given a value other than their default (a mistake without --ray)."""
+    defaults = {"ray_address": None, "num_replicas": None, "min_replicas": None, "max_replicas": None,
+                "target_ongoing_requests": None, "replica_cpus": 1.0, "replica_gpus": None}
+    return ["--" + k.replace("_", "-") for k, v in defaults.items() if getattr(args, k) != v]
 
 
 def speculative_config(args):
@@ -127,57 +157,25 @@ def args_from_dict(values: dict, context: str) -> argparse.Namespace:
     ``context`` says where the dict came from in the error."""
     import shlex
 
-    from quickdraft.cli import build_parser
     from quickdraft.errors import ConfigError
 
-    argv = ["serve"]
+    parser = serve_parser()
+    switches = {o for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction) for o in a.option_strings}
+    argv = []
     for key, value in values.items():
         flag = "--" + str(key).strip("-").replace("_", "-")
         text = str(value)
         if isinstance(value, bool) or text.lower() in ("true", "false"):
             if text.lower() == "true":
                 argv.append(flag)
-            elif flag in NEGATABLE:  # on by default: false must say so
-                argv.append("--no-" + flag[2:])
+            elif flag in switches:  # false says the other side: --no-x for x, --x for no-x
+                argv.append("--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:])
             continue
         argv += [flag, *shlex.split(text)] if flag == "--served-model-name" else [flag, text]
     try:
-        return resolve_model_args(build_parser().parse_args(argv))
+        return resolve_model_args(parser.parse_args(argv))
     except SystemExit:  # argparse has printed what is wrong
-        raise ConfigError(f"bad quickdraft serve arguments in {context}: {argv[1:]}") from None
-
-
-def serve(args) -> int:
-    from quickdraft.profile import describe
-
-    if args.ray:
-        from quickdraft.deploy.ray_serve import serve_on_ray
-
-        return serve_on_ray(args)
-    from quickdraft.deploy.ray_serve import ray_only_flags
-
-    if ray_only_flags(args):
-        from quickdraft.errors import ConfigError
-
-        raise ConfigError(f"{', '.join(ray_only_flags(args))} place Ray Serve replicas: add --ray", "ray")
-    if getattr(args, "model_positional", None) is None and args.model == DEFAULT_MODEL:  # vLLM would refuse
-        print(f"quickdraft serve: no model named, serving the built-in {DEFAULT_MODEL} "
-              "(name one: quickdraft serve MODEL)", file=sys.stderr)
-    async_engine, settings, app = build(args, own_thread=False)
-    engine, spec, names = async_engine.engine, async_engine.engine.config.speculative, settings.served_model_names
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                        access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
-    server = DrainingServer(uv, settings)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    log = logging.getLogger("quickdraft.server")
-    log.info("serving %s as %s on http://%s:%d (speculative: %s, K=%d%s, off from batch %s; %d slots, queue %d; "
-             "prefix caching %s)", args.model, names, args.host, args.port, spec.method, settings.num_speculative_tokens,
-             " adaptive" if spec.adaptive else "", spec.disable_by_batch_size, args.max_num_seqs, args.max_queue,
-             "on" if args.enable_prefix_caching else "off")
-    for name, cost in (("target", engine.runner.target_cost), ("draft", engine.proposer.cost)):
-        if cost is not None:
-            log.info("%s pass, calibrated: %s", name, describe(cost.to_dict()))
-    return run_on_main_thread(server, async_engine)
+        raise ConfigError(f"bad quickdraft serve arguments in {context}: {argv}") from None
 
 
 def run_on_main_thread(server: "DrainingServer", async_engine) -> int:

@@ -2,9 +2,9 @@
 (p50, p99) at 1, 4 and 8 concurrent streams, with and without speculation, in one run.
 
     python -m quickdraft.server.loadgen --model qwen2.5-coder-1.5b-instruct \\
-        --config none --config '{"method": "ngram", "num_speculative_tokens": 4}' \\
-        --config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct"}' \\
-        --concurrency 1 4 8 --max-tokens 128 --out bench-out/serve
+        --speculative-config none --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \\
+        --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct"}' \\
+        --concurrency 1 4 8 --max-tokens 128 --result-dir bench-out/serve
 
 Each configuration gets its own ``quickdraft serve`` process (started here, on a free loopback
 port), is warmed up, then runs ``--requests-per-stream`` requests per stream at each concurrency:
@@ -117,7 +117,7 @@ def start_server(args, config: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "quickdraft.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+    cmd = [sys.executable, "-m", "quickdraft", "serve", "--model", args.model, "--dtype", args.dtype,
            "--port", str(port), "--max-num-seqs", str(max(args.concurrency)), "--no-access-log",
            "--log-level", "warning", "--speculative-disable-by-batch-size", "0"]
     if config != "none":
@@ -162,13 +162,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m quickdraft.server.loadgen", description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    from quickdraft.arguments import HelpFormatter, add_dtype_arg, add_flag
+
+    p = argparse.ArgumentParser(prog="python -m quickdraft.server.loadgen", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_arg(p)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--config", action="append", default=None,
-                   help='"none" or a --speculative-config JSON (repeatable; default: none and ngram K=4)')
+    add_flag(p, "--speculative-config", action="append", default=None, deprecated=("--config",),
+             help='"none" or a speculative config\'s JSON, one server each (repeatable; default: none and ngram K=4)')
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests-per-stream", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -177,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default=None, help="measure a running server instead (one config)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for quickdraft serve")
-    p.add_argument("--out", default=None, help="a directory for results.json and table.md")
-    args = p.parse_args(argv)
-    configs = args.config or ["none", '{"method": "ngram", "num_speculative_tokens": 4}']
+    add_flag(p, "--result-dir", default=None, deprecated=("--out",), help="a directory for results.json and table.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    configs = args.speculative_config or ["none", '{"method": "ngram", "num_speculative_tokens": 4}']
     prompts = load_prompts(args.dataset, args.num_prompts)
     rows = []
     for config in ([None] if args.url else configs):
@@ -201,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(60)
     text = table(rows)
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if args.result_dir:
+        out = Path(args.result_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
         (out / "table.md").write_text(text + "\n")

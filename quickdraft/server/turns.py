@@ -1,7 +1,7 @@
 """Time to first token of chat turns, with and without prefix caching, through the server.
 
-    python -m quickdraft.server.turns --model smollm2-135m-instruct --limit 16 --max-tokens 64 \\
-        --out bench-out/turns
+    python -m quickdraft.server.turns --model smollm2-135m-instruct --num-prompts 16 --max-tokens 64 \\
+        --result-dir bench-out/turns
 
 Two ``quickdraft serve`` processes are started side by side on loopback, one with
 ``--enable-prefix-caching`` and one with ``--no-enable-prefix-caching`` (the same model and flags
@@ -81,21 +81,29 @@ def table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def parser() -> argparse.ArgumentParser:
+    from quickdraft.arguments import HelpFormatter, add_dtype_arg, add_flag
+
+    p = argparse.ArgumentParser(prog="python -m quickdraft.server.turns", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    add_dtype_arg(p)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    add_flag(p, "--num-prompts", type=int, default=16, deprecated=("--limit",),
+             help="MT-Bench questions (round-robin over its categories)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--serve-arg", action="append", default=[], help="extra argument for both servers")
+    add_flag(p, "--result-dir", default=None, deprecated=("--out",), help="a directory for results.json and table.md")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from quickdraft.bench import datasets
 
-    p = argparse.ArgumentParser(prog="python -m quickdraft.server.turns", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--limit", type=int, default=16, help="MT-Bench questions (round-robin over its categories)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--serve-arg", action="append", default=[], help="extra argument for both servers")
-    p.add_argument("--out", default=None, help="a directory for results.json and table.md")
-    args = p.parse_args(argv)
-    questions = [q for q in datasets.load("mtbench", args.limit) if len(q.turns) >= 2]
+    args = parser().parse_args(argv)
+    questions = [q for q in datasets.load("mtbench", args.num_prompts) if len(q.turns) >= 2]
     servers = {}
     try:
         for label, flag in (("prefix cache on", "--enable-prefix-caching"), ("prefix cache off", "--no-enable-prefix-caching")):
@@ -122,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     s = summary(rows)
     text = table(s) + f"\n\nquestions whose greedy answers differ between the two servers: {mismatches}"
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if args.result_dir:
+        out = Path(args.result_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": s, "rows": rows,
                                                       "mismatches": mismatches}, indent=2))

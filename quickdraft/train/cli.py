@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from quickdraft.arguments import add_dtype_arg, add_flag
+
 
 def register(sub) -> None:
     t = sub.add_parser("train", help="train EAGLE-3 or Medusa heads on the target's own states")
@@ -25,8 +27,8 @@ def register(sub) -> None:
     for method in ("eagle3", "medusa"):
         p = tsub.add_parser(method, help=f"train the target's {method} head (makes or resumes its data first)")
         _data_args(p)
-        p.add_argument("--out", default=None, help=f"the head's directory (default: the cache's, "
-                                                   f"$QUICKDRAFT_CACHE/heads/<target>/{method})")
+        add_flag(p, "--output-dir", default=None, deprecated=("--out",),
+                 help=f"the head's directory (default: the cache's, $QUICKDRAFT_CACHE/heads/<target>/{method})")
         p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
         p.add_argument("--batch-size", type=int, default=4, help="windows a step")
         p.add_argument("--lr", type=float, default=1e-3)
@@ -44,17 +46,18 @@ def register(sub) -> None:
     g.add_argument("--prompts", default=None, help="JSONL (\"prompt\": raw text, or \"messages\": a chat); default: "
                                                    "functions and package summaries of the installed packages")
     g.add_argument("--num-prompts", type=int, default=400, help="prompts to answer (the first N)")
-    g.add_argument("--out", default=None, help="the JSONL of texts (default: "
-                                               "$QUICKDRAFT_CACHE/heads/<target>/generated/answers.jsonl)")
+    add_flag(g, "--output-file", default=None, deprecated=("--out",),
+             help="the JSONL of texts (default: $QUICKDRAFT_CACHE/heads/<target>/generated/answers.jsonl)")
     g.add_argument("--max-tokens", type=int, default=256, help="tokens an answer, at most")
-    g.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+    add_flag(g, "--batch-size", type=int, default=8, deprecated=("--batch",), help="prompts decoded together")
     g.add_argument("--speculative-config", default=None, help="JSON: speculate while generating (the output is the same)")
     g.set_defaults(func=_generate)
     p = tsub.add_parser("draft", help="distill the draft model towards the target (KL on the target's data)")
     _data_args(p)
-    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the draft model to fine-tune")
-    p.add_argument("--out", default=None, help="the tuned draft's directory (default: "
-                                               "$QUICKDRAFT_CACHE/heads/<target>/draft)")
+    add_flag(p, "--draft-model", default="qwen2.5-coder-0.5b-instruct", deprecated=("--draft",),
+             help="the draft model to fine-tune")
+    add_flag(p, "--output-dir", default=None, deprecated=("--out",),
+             help="the tuned draft's directory (default: $QUICKDRAFT_CACHE/heads/<target>/draft)")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for LoRA, 2e-5 for a full fine-tune")
@@ -81,9 +84,10 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--texts", default=None, help="JSONL (\"text\", \"prompt\" or \"messages\") or a text file; default: "
                                                  "the installed Python packages' sources and documentation")
     p.add_argument("--data", default=None, help="the data directory (default: $QUICKDRAFT_CACHE/heads/<target>/data)")
-    p.add_argument("--max-tokens", type=int, default=200_000, help="tokens of text to label")
+    add_flag(p, "--num-label-tokens", type=int, default=200_000, deprecated=("--max-tokens",),
+             help="tokens of text to label")
     p.add_argument("--seq-len", type=int, default=512, help="tokens a window")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the target's, for labelling")
+    add_dtype_arg(p, help="the target's, for labelling")
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
 
 
@@ -106,7 +110,7 @@ def _data(args) -> int:
 
     model = _load(args)
     started = time.perf_counter()
-    out = data.build(model, _data_dir(args, model), args.texts, args.seq_len, args.max_tokens)
+    out = data.build(model, _data_dir(args, model), args.texts, args.seq_len, args.num_label_tokens)
     m = data.read_manifest(out)
     print(json.dumps({"data": str(out), "windows": m.num_windows, "source": m.source,
                       "seconds": round(time.perf_counter() - started, 1)}))
@@ -118,12 +122,13 @@ def _generate(args) -> int:
     from quickdraft.proposers.heads import default_dir
     from quickdraft.train import generate
 
-    llm = LLM(args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch)
+    llm = LLM(args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch_size)
     prompts = generate.read_prompts(args.prompts) if args.prompts else generate.default_prompts(args.num_prompts)
     prompts = prompts[: args.num_prompts]
-    out = Path(args.out).expanduser() if args.out else default_dir(llm.engine.model, "generated") / "answers.jsonl"
+    out = (Path(args.output_file).expanduser() if args.output_file
+           else default_dir(llm.engine.model, "generated") / "answers.jsonl")
     started = time.perf_counter()
-    made = generate.generate(llm, prompts, out, args.max_tokens, args.batch)
+    made = generate.generate(llm, prompts, out, args.max_tokens, args.batch_size)
     seconds = time.perf_counter() - started
     print(json.dumps({"texts": str(out), "prompts": len(prompts), "generated_tokens": made, "seconds": round(seconds, 1),
                       "tokens_per_second": round(made / seconds, 1)}))
@@ -137,9 +142,9 @@ def _train(args) -> int:
 
     model = _load(args)
     data_dir = _data_dir(args, model)
-    data.build(model, data_dir, args.texts, args.seq_len, args.max_tokens)  # resumes; nothing to do when done
+    data.build(model, data_dir, args.texts, args.seq_len, args.num_label_tokens)  # resumes; nothing to do when done
     windows = data.load_windows(data_dir, model)
-    out = Path(args.out).expanduser() if args.out else default_dir(model, args.method)
+    out = Path(args.output_dir).expanduser() if args.output_dir else default_dir(model, args.method)
     manifest = data.read_manifest(data_dir)
     extra = {"data_source": manifest.source}
     started = time.perf_counter()
@@ -173,10 +178,10 @@ def _draft(args) -> int:
 
     model = _load(args)
     data_dir = _data_dir(args, model)
-    data.build(model, data_dir, args.texts, args.seq_len, args.max_tokens)
+    data.build(model, data_dir, args.texts, args.seq_len, args.num_label_tokens)
     windows = data.load_windows(data_dir, model)
-    stock = load_model(args.draft, torch.float32, quantization="none")  # dense weights to train
-    out = Path(args.out).expanduser() if args.out else default_dir(model, "draft")
+    stock = load_model(args.draft_model, torch.float32, quantization="none")  # dense weights to train
+    out = Path(args.output_dir).expanduser() if args.output_dir else default_dir(model, "draft")
     started = time.perf_counter()
     lr = args.lr if args.lr is not None else (1e-3 if args.lora_rank > 0 else 2e-5)
     targets = args.lora_targets.split(",") if args.lora_targets else draft.LORA_TARGETS

@@ -125,7 +125,7 @@ def test_whole_output_agreement():
 
 
 def test_divergences_carry_the_reference_margin():
-    from quickdraft.bench.harness import top2_margin
+    from quickdraft.measure import top2_margin
 
     d = _decoder()
     outputs = {"blocks": [[1, 2, 3], [7]], "dense": [[1, 2, 4], [7]], "llama_cpp": [[1, 2, 3], None]}
@@ -146,13 +146,13 @@ def test_llama_cpp_missing_is_a_skip(monkeypatch, tmp_path):
 
 
 def test_markdown_and_cli(tmp_path):
-    from quickdraft.cli import build_parser
+    from quickdraft.commands.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "accuracy", "--limit", "3", "--no-llama-cpp", "--out", str(tmp_path)])
-    assert args.func is accuracy.run and args.limit == 3
+    args = build_parser().parse_args(["bench", "accuracy", "--num-prompts", "3", "--no-llama-cpp", "--result-dir", str(tmp_path)])
+    assert args.func is accuracy.run and args.num_prompts == 3
     c = accuracy.config_from_args(args)
     assert c.llama_cpp is False and "--no-llama-cpp" in accuracy.command_line(c, None)
-    assert build_parser().parse_args(["bench", "--limit", "3"]).func is not accuracy.run  # plain bench unchanged
+    assert build_parser().parse_args(["bench", "--num-prompts", "3"]).func is not accuracy.run  # plain bench unchanged
     d = _decoder()
     tf = accuracy.run_teacher_forced(d, _decoder(noise=0.3), CharTokenizer(),
                                      [{"task_id": "t", "prompt": "ab", "canonical_solution": "cdef"}], 4, False)

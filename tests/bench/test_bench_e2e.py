@@ -11,7 +11,7 @@ import pytest
 
 from quickdraft.bench import schema
 from quickdraft.bench.harness import BenchConfig, Harness, variants
-from quickdraft.cli import main
+from quickdraft.commands.cli import main
 
 pytestmark = pytest.mark.slow
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -24,13 +24,13 @@ def bench(tmp_path, *extra) -> dict:
     # n=1..4: a match of one token is all but certain in 8 tokens of any output (with n=2..4 whether
     # ngram drafts at all hangs on what the model happens to write)
     argv = ["bench", "--model", "smollm2-135m-instruct", "--methods", "none,ngram", "--num-speculative-tokens", "2",
-            "--prompt-lookup-min", "1", "--peers", "none", "--warmup-tokens", "2", "--no-progress", "--quantization", "none", "--out", str(out), *extra]
+            "--prompt-lookup-min", "1", "--peers", "none", "--warmup-tokens", "2", "--no-progress", "--quantization", "none", "--result-dir", str(out), *extra]
     assert main(argv) == 0
     return json.loads((out / "results.json").read_text())
 
 
 def test_tiny_greedy_bench_writes_all_outputs(smollm2_path, tmp_path, capsys):
-    result = bench(tmp_path, "--datasets", "humaneval,mtbench", "--limit", "1", "--max-tokens", "8")
+    result = bench(tmp_path, "--datasets", "humaneval,mtbench", "--num-prompts", "1", "--max-tokens", "8")
     out = tmp_path / "out"
     schema.validate(result)
     assert schema.errors(result, schema.SCHEMA) == []  # the small checker too, whether jsonschema is there or not
@@ -65,7 +65,7 @@ def test_tiny_greedy_bench_writes_all_outputs(smollm2_path, tmp_path, capsys):
 
 
 def test_tiny_sampled_bench_compares_distributions(smollm2_path, tmp_path):
-    result = bench(tmp_path, "--datasets", "humaneval", "--limit", "1", "--max-tokens", "4",
+    result = bench(tmp_path, "--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "4",
                    "--temperature", "0.8", "--num-seeds", "3")
     schema.validate(result)
     assert len(result["runs"]) == 2 * 3 and {r["seed"] for r in result["runs"]} == {0, 1, 2}

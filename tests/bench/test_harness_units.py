@@ -9,7 +9,8 @@ import pytest
 
 from quickdraft.bench import cli as bench_cli
 from quickdraft.bench import peers
-from quickdraft.bench.harness import BenchConfig, Harness, Request, Variant, top2_margin, variants
+from quickdraft.bench.harness import BenchConfig, Harness, Request, Variant, variants
+from quickdraft.measure import top2_margin
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
@@ -101,7 +102,7 @@ def test_suite_fills_in_what_the_flags_leave_out():
     args = _args(suite="quick", max_tokens=12)
     s = bench_cli.resolve(args)
     assert s["model"] == bench_cli.QWEN15 and s["draft_model"] == bench_cli.QWEN05
-    assert s["max_tokens"] == 12 and s["limit"] == 2
+    assert s["max_tokens"] == 12 and s["num_prompts"] == 2
     c = bench_cli.build_config(s, args)
     assert [v.name for v in c.variants] == ["none", "ngram K=4 n=2..4", "draft_model K=4"]
     cmd = bench_cli.command_line(s, args)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from quickdraft import measure
 from quickdraft.bench import schema, stats
 
 
@@ -98,8 +99,8 @@ def test_first_divergence_and_ulp():
     assert stats.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert stats.first_divergence([1, 2, 3], [1, 9, 3]) == 1
     assert stats.first_divergence([1, 2], [1, 2, 3]) == 2  # one ended early
-    assert stats.ulp(20.0, 2**-7) == 16 * 2**-7
-    assert stats.ulp(-0.75, 2**-7) == 0.5 * 2**-7
+    assert measure.ulp(20.0, 2**-7) == 16 * 2**-7
+    assert measure.ulp(-0.75, 2**-7) == 0.5 * 2**-7
 
 
 def test_schema_checker_names_what_is_wrong():

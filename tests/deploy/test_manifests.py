@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from quickdraft.cli import build_parser
+from quickdraft.commands.cli import build_parser
 from quickdraft.deploy.ray_serve import deployment_options, parse_builder_args
 from quickdraft.server.metrics import ServerMetrics
 

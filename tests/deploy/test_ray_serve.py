@@ -35,7 +35,7 @@ import openai
 import psutil
 import pytest
 
-from quickdraft.cli import build_parser
+from quickdraft.commands.cli import build_parser
 from quickdraft.deploy.ray_serve import deployment_options, parse_builder_args
 from quickdraft.errors import ConfigError
 
@@ -86,7 +86,7 @@ def test_contradictory_flags_are_a_clear_error(argv, param):
 
 
 def test_ray_flags_without_ray_are_a_clear_error(capsys):
-    from quickdraft.cli import main
+    from quickdraft.commands.cli import main
 
     assert main(["serve", "--num-replicas", "2", "--replica-cpus", "2"]) == 2  # before any model loads
     assert "--num-replicas, --replica-cpus place Ray Serve replicas: add --ray" in capsys.readouterr().err
@@ -95,7 +95,7 @@ def test_ray_flags_without_ray_are_a_clear_error(capsys):
 def test_serve_run_builder_args_are_the_serve_flags():
     args = parse_builder_args({"model": MODEL, "max_num_seqs": "4", "num-replicas": "2", "no_access_log": "true",
                                "served_model_name": "a b", "speculative_config": '{"method": "ngram"}'})
-    assert (args.model, args.max_num_seqs, args.num_replicas, args.no_access_log) == (MODEL, 4, 2, True)
+    assert (args.model, args.max_num_seqs, args.num_replicas, args.access_log) == (MODEL, 4, 2, False)
     assert args.served_model_name == ["a", "b"] and args.speculative_config == '{"method": "ngram"}'
     with pytest.raises(ConfigError, match="bad quickdraft serve arguments in the Ray Serve"):
         parse_builder_args({"max_num_seqs": "many"})
@@ -116,7 +116,7 @@ class RayServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "ray-serve.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-        cmd = [sys.executable, "-m", "quickdraft.cli", "serve", "--ray", "--ray-address", "local", "--model", MODEL,
+        cmd = [sys.executable, "-m", "quickdraft", "serve", "--ray", "--ray-address", "local", "--model", MODEL,
                "--dtype", "float32", "--max-model-len", "256", "--port", str(self.port), "--no-access-log",
                "--log-level", "info", *extra]
         self._log = open(self.log_path, "wb")

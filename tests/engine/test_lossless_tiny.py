@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
-from quickdraft.engine.cost import TRUSTED_PASSES, LinearCost
+from quickdraft.cost import TRUSTED_PASSES, LinearCost
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
 from quickdraft.models.loader import LoadedModel

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from quickdraft import LLM, cli
+from quickdraft import LLM
+from quickdraft.commands import cli, generate as generate_command
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
 
@@ -71,7 +72,7 @@ def openmp_threads() -> int:
 
 def test_threads_flag_sets_torchs_and_the_kernels_threads(monkeypatch, restore_threads):
     seen = []
-    monkeypatch.setattr(cli, "_generate", lambda args: seen.append((torch.get_num_threads(), openmp_threads())) or 0)
+    monkeypatch.setattr(generate_command, "generate", lambda args: seen.append((torch.get_num_threads(), openmp_threads())) or 0)
     torch.set_num_threads(2)
     assert cli.main(["generate", "hi", "--threads", "1"]) == 0 and seen == [(1, 1)]
     assert cli.main(["generate", "hi"]) == 0 and seen == [(1, 1)] * 2  # no flag: left as it is

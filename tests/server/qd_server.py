@@ -32,7 +32,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        args = [sys.executable, "-m", "quickdraft.cli", "serve", "--model", MODEL, "--dtype", "float32",
+        args = [sys.executable, "-m", "quickdraft", "serve", "--model", MODEL, "--dtype", "float32",
                 "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN),
                 "--no-access-log", "--log-level", "warning", *extra]
         if api_key:

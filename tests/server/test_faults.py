@@ -174,7 +174,7 @@ def test_a_port_in_use_is_a_clear_error_and_a_failing_exit():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        p = subprocess.run([sys.executable, "-m", "quickdraft.cli", "serve", "--model", MODEL, "--dtype", "float32",
+        p = subprocess.run([sys.executable, "-m", "quickdraft", "serve", "--model", MODEL, "--dtype", "float32",
                             "--max-model-len", "256", "--port", str(busy.getsockname()[1])],
                            capture_output=True, text=True, timeout=180)
     assert p.returncode == 1

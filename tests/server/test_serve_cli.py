@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from quickdraft.cli import build_parser
+from quickdraft.commands.cli import build_parser
 from quickdraft.server.cli import DEFAULT_DISABLE_BY_BATCH_SIZE, speculative_config
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'

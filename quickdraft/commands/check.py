@@ -9,7 +9,7 @@ Three checks, each reported with the figures behind it:
 2. *greedy*: each prompt decoded plainly (method none, alone), and speculatively, all prompts in
    one batch as a server would run them. The tokens must be identical; at a divergence the check
    names the first diverging position and the target's margin between its top two logits there
-   (bench.harness.top2_margin), so that a near-tie can be told from a wrong token.
+   (measure.py's top2_margin), so that a near-tie can be told from a wrong token.
 3. *sampled*: a few prompts over many seeds at temperature > 0, plain and speculative, compared by
    the bench's per-position TV permutation test (bench/stats.py), p values combined by Fisher's
    method. It fails when the combined p value is below ``--alpha``: a test of the output
@@ -53,7 +53,7 @@ SAMPLED = ("repeat", "code", "primes")  # for the sampled check: drafts get acce
 
 
 def register(sub) -> None:
-    from quickdraft.cli import add_model_args
+    from quickdraft.arguments import add_flag, add_switch, add_model_args
 
     p = sub.add_parser("check", help="check on this machine that speculative output equals plain decoding")
     add_model_args(p)
@@ -61,12 +61,14 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per greedy generation")
     p.add_argument("--temperature", type=float, default=0.8, help="of the sampled check (> 0)")
-    p.add_argument("--seeds", type=int, default=64, help="samples per prompt in the sampled check; 0 skips it")
-    p.add_argument("--sampled-prompts", type=int, default=2, help="prompts in the sampled check")
+    add_flag(p, "--num-seeds", type=int, default=64, deprecated=("--seeds",),
+             help="samples per prompt in the sampled check; 0 skips it")
+    add_flag(p, "--num-sampled-prompts", type=int, default=2, deprecated=("--sampled-prompts",),
+             help="prompts in the sampled check")
     p.add_argument("--sample-tokens", type=int, default=8, help="tokens per sample in the sampled check")
     p.add_argument("--alpha", type=float, default=ALPHA, help="the sampled check fails below this p value")
     p.add_argument("--permutations", type=int, default=1000, help="of the TV permutation test")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_switch(p, "--json", help="print one JSON object")
     p.set_defaults(func=check)
 
 
@@ -101,8 +103,8 @@ def check(args) -> int:
                   quantization=args.quantization)
     plain, speculative = LLM(target, **common), LLM(target, speculative_config=spec, **common)
     decoder = plain.engine.decoder
-    sampled = _sampled_indices(prompts, args) if args.seeds else []
-    total = 2 * len(prompts) + 2 * len(sampled) * args.seeds
+    sampled = _sampled_indices(prompts, args) if args.num_seeds else []
+    total = 2 * len(prompts) + 2 * len(sampled) * args.num_seeds
     bar = tqdm(total=total, desc="check", unit="run", file=sys.stderr, dynamic_ncols=True)
     bar.set_postfix_str("probing kernels")
     kernels = probe_kernels(decoder)
@@ -124,9 +126,9 @@ def _validate(args) -> None:
 
     if args.max_tokens < 1 or args.sample_tokens < 1:
         raise ConfigError("--max-tokens and --sample-tokens must be >= 1")
-    if args.seeds < 0 or args.sampled_prompts < 1 or (args.num_prompts is not None and args.num_prompts < 1):
-        raise ConfigError("--seeds must be >= 0, --sampled-prompts and --num-prompts >= 1")
-    if args.seeds and not 0 < args.temperature <= 100:
+    if args.num_seeds < 0 or args.num_sampled_prompts < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        raise ConfigError("--num-seeds must be >= 0, --num-sampled-prompts and --num-prompts >= 1")
+    if args.num_seeds and not 0 < args.temperature <= 100:
         raise ConfigError(f"--temperature must be in (0, 100] for the sampled check, got {args.temperature}")
     if not 0 < args.alpha < 1:
         raise ConfigError(f"--alpha must be in (0, 1), got {args.alpha}")
@@ -139,7 +141,7 @@ def _sampled_indices(prompts: list[Prompt], args) -> list[int]:
     """The built-in prompts chosen for sampling, else the user's first ones."""
     order = [i for name in SAMPLED for i, p in enumerate(prompts) if p.id == name and p.dataset == ""]
     order += [i for i in range(len(prompts)) if i not in order]
-    return order[: args.sampled_prompts]
+    return order[: args.num_sampled_prompts]
 
 
 def _name(model) -> str | None:
@@ -160,7 +162,7 @@ def probe_kernels(decoder) -> dict:
 
 def check_greedy(plain, speculative, decoder, prompts, ids, max_tokens: int, bar) -> dict:
     """Plain decoding of each prompt alone against speculative decoding of all of them at once."""
-    from quickdraft.bench.harness import top2_margin
+    from quickdraft.measure import top2_margin
     from quickdraft.bench.stats import first_divergence
     from quickdraft.sampling import SamplingParams
 
@@ -189,14 +191,14 @@ def check_greedy(plain, speculative, decoder, prompts, ids, max_tokens: int, bar
 
 
 def check_sampled(plain, speculative, prompts, ids, args, bar) -> dict | None:
-    """Per prompt: ``args.seeds`` samples plain and speculative, one TV permutation test."""
+    """Per prompt: ``args.num_seeds`` samples plain and speculative, one TV permutation test."""
     from quickdraft.bench.stats import combine_tv, tv_test
     from quickdraft.sampling import SamplingParams
 
     if not prompts:
         return None
     started = time.perf_counter()
-    n = args.seeds
+    n = args.num_seeds
     # Independent samples: the two sides take different seeds. With the same seeds both would
     # draw their first token from the same uniform, and paired samples hide a difference.
     seeds = {"plain": range(n), "speculative": range(n, 2 * n)}
@@ -215,7 +217,7 @@ def check_sampled(plain, speculative, prompts, ids, args, bar) -> dict | None:
         rows.append({"prompt": p.id, **test.to_dict(),
                      "num_draft_tokens": sum(o.spec.num_draft_tokens for o in runs["speculative"]),
                      "num_accepted_tokens": sum(o.spec.num_accepted_tokens for o in runs["speculative"])})
-    return {"temperature": args.temperature, "seeds": args.seeds, "max_tokens": args.sample_tokens,
+    return {"temperature": args.temperature, "seeds": args.num_seeds, "max_tokens": args.sample_tokens,
             "permutations": args.permutations, "alpha": args.alpha, "prompts": rows, **combine_tv(tests),
             "seconds": time.perf_counter() - started}
 
@@ -273,7 +275,7 @@ def table(r: dict) -> str:
         lines.append(f"  {p['prompt'][:14]:14} {p['num_tokens']:>6} "
                      f"{p['num_accepted_tokens']:>4}/{p['num_draft_tokens']:<5}  {res}")
     if s is None:
-        lines += ["", "sampled: skipped (--seeds 0)"]
+        lines += ["", "sampled: skipped (--num-seeds 0)"]
     else:
         lines += ["", f"sampled: T={s['temperature']}, {s['seeds']} seeds x {s['max_tokens']} tokens per prompt: "
                   f"per-position TV {s['tv']:.3f} vs {s['tv_null']:.3f} ± {s['tv_se']:.3f} by chance, "

@@ -76,7 +76,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         f"{b}: {_mib(m['target_weights'])} MiB weights + {_mib(m['target_kv'])} MiB KV" for b, m in mem.items())
         + f" ({result['context_tokens']}-token contexts); measured peak RSS {base['peak_rss_mib']:.0f} MiB.", ""]
     lines += ["## Drafters at the planner's K", "",
-              f"K up to {result['k']}, chosen each step by the engine's adaptive planner (engine/cost.py); "
+              f"K up to {result['k']}, chosen each step by the engine's adaptive planner (quickdraft/cost.py); "
               "*drafted*: tokens a draft held on average (the planner's K, or fewer where the drafter found "
               "fewer); acceptance and tokens per target pass at batch 1; speedup is tokens/s over plain decoding "
               "at the same batch size, prompt passes included.", ""]
@@ -109,14 +109,14 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
 
 
 def write(result: dict, out: Path) -> Path:
-    """report.md, its plots (advise_*.png) and result.json under ``out``; the markdown's path."""
+    """report.md, its plots (advise_*.png) and results.json under ``out``; the markdown's path."""
     out.mkdir(parents=True, exist_ok=True)
     plots = {}
     for name, draw in (("acceptance", plot_acceptance), ("speedup", plot_speedup)):
         path = out / f"advise_{name}.png"
         if draw(result, path):
             plots[name] = path.name
-    (out / "result.json").write_text(json.dumps(clean(result), indent=2))
+    (out / "results.json").write_text(json.dumps(clean(result), indent=2))
     report = out / "report.md"
     report.write_text(markdown(result, plots))
     return report

@@ -153,7 +153,7 @@ _CALIBRATED: dict[tuple, tuple[weakref.ref, list[tuple]]] = {}
 
 
 def _disk_key(decoder, shapes) -> str:
-    from quickdraft import __version__
+    from quickdraft.version import __version__
     from quickdraft.models.kernels import cpu_model, source_hash
 
     c = decoder.config
@@ -425,3 +425,10 @@ def step_rate(ks: list[int], alphas: list[float], target: LinearCost, draft: Lin
             drafting = [i for i, k in enumerate(ks) if k >= j]
             seconds += draft(len(drafting), len(drafting), sum(contexts[i] + j for i in drafting))
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
+
+
+def describe(cost: dict) -> str:
+    """A LinearCost's to_dict() in words."""
+    return (f"{cost['a_s'] * 1e3:.1f} ms + {cost['b_s_per_row'] * 1e3:.2f} ms per row "
+            f"({cost['b_s_per_row_past_knee'] * 1e3:.2f} past {cost['knee_rows']}) + "
+            f"{cost['s_per_chain'] * 1e3:.2f} ms per sequence + {cost['s_per_1k_keys'] * 1e3:.2f} ms per 1000 keys read")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from quickdraft.arguments import add_dtype_arg, add_flag, add_switch, numbers
 from quickdraft.bench.stats import median
 from quickdraft.engine.sequence import SpecStats
 from quickdraft.errors import ConfigError
@@ -143,9 +144,9 @@ def memory(engine, context: int, batch: int, k: int) -> dict:
 
 def headroom(target_cost, k: int, batch: int, context: int) -> float | None:
     """What a verification pass of K + 1 rows a sequence costs over a plain decoding step of one
-    row a sequence, at ``batch`` sequences, by the engine's calibrated cost model (engine/cost.py).
+    row a sequence, at ``batch`` sequences, by the engine's calibrated cost model (quickdraft/cost.py).
     Near 1: verification is nearly free (memory-bound), the headroom speculation lives on."""
-    from quickdraft.engine.cost import key_reads
+    from quickdraft.cost import key_reads
 
     if target_cost is None:
         return None
@@ -219,7 +220,7 @@ def measure(model, prompts: list[list[int]], variants: list[Drafter], batches, p
     from tqdm import tqdm
 
     from quickdraft import LLM, SamplingParams
-    from quickdraft.bench.harness import RssSampler
+    from quickdraft.measure import RssSampler
 
     def engines():
         # Fresh engines for each batch size, warmed up on text of their own: no drafter may learn
@@ -282,15 +283,19 @@ def register(sub) -> None:
     p.add_argument("--draft-model", action="append", default=[], help="a draft model to measure (repeatable)")
     p.add_argument("--methods", default="ngram,suffix", help="model-free drafters to measure, comma-separated")
     p.add_argument("--num-speculative-tokens", type=int, default=8, help="the most K the planner may choose")
-    p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="comma-separated")
-    p.add_argument("--limit", type=int, default=10, help="prompts to use (round-robin over categories; 0 = all)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_flag(p, "--batch-size", default=",".join(map(str, BATCH_SIZES)), deprecated=("--batch-sizes",),
+             help="requests in a static batch, comma-separated: each is measured")
+    add_flag(p, "--num-prompts", type=int, default=10, deprecated=("--limit",),
+             help="prompts to use (round-robin over categories; 0 = all)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate a request, at most")
+    add_dtype_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--memory-budget-mib", type=float, default=None,
                    help="memory a drafter may add (default: what /proc/meminfo says is available)")
-    p.add_argument("--out", default="advise-out", help="a directory for report.md, its plots and result.json")
+    add_flag(p, "--result-dir", default="advise-out", deprecated=("--out",),
+             help="a directory for report.md, its plots and results.json")
+    add_switch(p, "--progress", default=True, help="a progress bar")
     p.set_defaults(func=advise)
 
 
@@ -302,7 +307,7 @@ def command(args) -> str:
     for d in args.draft_model:
         words += ["--draft-model", d]
     words += ["--methods", args.methods, "--num-speculative-tokens", str(args.num_speculative_tokens),
-              "--batch-sizes", args.batch_sizes, "--limit", str(args.limit), "--max-tokens", str(args.max_tokens),
+              "--batch-size", args.batch_size, "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
               "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     return shlex.join(words)
 
@@ -315,22 +320,21 @@ def advise(args) -> int:
     import torch
 
     from quickdraft import SamplingParams
-    from quickdraft.advise_report import write
+    from quickdraft.commands.advise_report import write
     from quickdraft.bench import datasets
     from quickdraft.models.kernels import cpu_model
     from quickdraft.models.loader import load_model
-    from quickdraft.profile import _numbers
 
     started = time.time()
-    batches = sorted(set(_numbers(args.batch_sizes, int, "--batch-sizes")))
+    batches = sorted(set(numbers(args.batch_size, int, "--batch-size")))
     if not batches or batches[0] < 1:
-        raise ConfigError("--batch-sizes must be integers >= 1", "batch_sizes")
+        raise ConfigError("--batch-size must be integers >= 1", "batch_size")
     if args.max_tokens < 2:
         raise ConfigError("--max-tokens must be >= 2", "max_tokens")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     variants = drafters(methods, args.draft_model, args.num_speculative_tokens)
     model = load_model(args.model, getattr(torch, args.dtype), args.device)
-    rows = datasets.load(args.prompts, args.limit or None)
+    rows = datasets.load(args.prompts, args.num_prompts or None)
     prompts = [model.tokenizer.encode(datasets.render(p, model.tokenizer, [])) for p in rows]
     room = args.max_model_len - args.max_tokens - args.num_speculative_tokens - 1
     kept = [p for p in prompts if len(p) <= room]
@@ -338,7 +342,7 @@ def advise(args) -> int:
         raise ConfigError(f"every prompt is longer than --max-model-len {args.max_model_len} leaves room for", "prompts")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     result = measure(model, kept, variants, batches, params, args.num_speculative_tokens, args.dtype, args.device,
-                     args.max_model_len)
+                     args.max_model_len, progress=args.progress)
     budget = int(args.memory_budget_mib * 2**20) if args.memory_budget_mib is not None else available_memory()
     result.update({
         "model": args.model, "prompts_source": Path(args.prompts).name, "num_prompts": len(kept),
@@ -349,7 +353,7 @@ def advise(args) -> int:
         "duration_s": time.time() - started,
     })
     result["verdict"] = decide(result, budget)
-    report = write(result, Path(args.out))
+    report = write(result, Path(args.result_dir))
     print(result["verdict"]["text"])
     if result["verdict"]["speculative_config"]:
         print(f"--speculative-config '{json.dumps(result['verdict']['speculative_config'])}'")

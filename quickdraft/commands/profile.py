@@ -1,7 +1,7 @@
 """``quickdraft profile``: when does speculation pay on this machine, for this pair of models?
 
 It times the target's pass (and the draft's, for ``draft_model``) by rows, as the engine does at
-start-up (engine/cost.py), then asks the engine's own planner, for each batch size and each
+start-up (quickdraft/cost.py), then asks the engine's own planner, for each batch size and each
 acceptance rate, which K it would choose and what speedup over plain decoding the cost model
 expects. The figures are predictions of the model from measured costs, not measured speedups:
 ``quickdraft bench`` and ``python -m quickdraft.server.loadgen`` measure those.
@@ -19,13 +19,14 @@ CONTEXT = 256  # tokens each sequence holds in the predictions
 
 
 def register(sub) -> None:
-    from quickdraft.cli import add_model_args
+    from quickdraft.arguments import add_flag, add_model_args, add_switch
 
     p = sub.add_parser("profile", help="time this machine and say where speculation pays (K by batch and acceptance)")
     add_model_args(p)
-    p.add_argument("--batch-sizes", default=",".join(map(str, BATCHES)), help="comma-separated")
+    add_flag(p, "--batch-size", default=",".join(map(str, BATCHES)), deprecated=("--batch-sizes",),
+             help="running sequences to predict for, comma-separated")
     p.add_argument("--acceptance-rates", default=",".join(map(str, ALPHAS)), help="comma-separated, in (0, 1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_switch(p, "--json", help="print one JSON object")
     p.add_argument("--plot", help="write a heat map of the expected speedup to this PNG")
     p.set_defaults(func=profile)
 
@@ -33,7 +34,7 @@ def register(sub) -> None:
 def predict(target, draft, k: int, batches, alphas, context: int = CONTEXT) -> list[dict]:
     """For each (batch, alpha): the planned K per sequence and the expected speedup over plain,
     for sequences ``context`` tokens long."""
-    from quickdraft.engine.cost import plan_draft_lengths, step_rate
+    from quickdraft.cost import plan_draft_lengths, step_rate
 
     rows = []
     for b in batches:
@@ -47,6 +48,7 @@ def predict(target, draft, k: int, batches, alphas, context: int = CONTEXT) -> l
 
 
 def profile(args) -> int:
+    from quickdraft.arguments import numbers
     from quickdraft.config import EngineConfig, SpeculativeConfig
     from quickdraft.engine.engine import Engine
     from quickdraft.errors import ConfigError
@@ -55,8 +57,8 @@ def profile(args) -> int:
     if not spec.enabled:
         raise ConfigError('profile needs --speculative-config with a method (e.g. {"method": "ngram"})',
                           "speculative_config")
-    batches = _numbers(args.batch_sizes, int, "--batch-sizes")
-    alphas = _numbers(args.acceptance_rates, float, "--acceptance-rates")
+    batches = numbers(args.batch_size, int, "--batch-size")
+    alphas = numbers(args.acceptance_rates, float, "--acceptance-rates")
     if any(b < 1 for b in batches) or any(not 0 < a < 1 for a in alphas):
         raise ConfigError("batch sizes must be >= 1 and acceptance rates in (0, 1)")
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -76,23 +78,9 @@ def profile(args) -> int:
     return 0
 
 
-def _numbers(text: str, kind, flag: str) -> list:
-    from quickdraft.errors import ConfigError
-
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-
-
-def describe(cost: dict) -> str:
-    """A LinearCost's to_dict() in words."""
-    return (f"{cost['a_s'] * 1e3:.1f} ms + {cost['b_s_per_row'] * 1e3:.2f} ms per row "
-            f"({cost['b_s_per_row_past_knee'] * 1e3:.2f} past {cost['knee_rows']}) + "
-            f"{cost['s_per_chain'] * 1e3:.2f} ms per sequence + {cost['s_per_1k_keys'] * 1e3:.2f} ms per 1000 keys read")
-
-
 def _table(result: dict, batches, alphas) -> str:
+    from quickdraft.cost import describe
+
     lines = [f"{name} pass: {describe(result[key])}" for name, key in (("target", "target_cost"), ("draft", "draft_cost"))
              if result[key]]
     lines += ["", f"{result['method']}, K up to {result['k']}, {result['context']}-token contexts: "

@@ -1,4 +1,4 @@
-"""The cost model and the K planner (engine/cost.py), on hand-made costs: no model, no clock."""
+"""The cost model and the K planner (quickdraft/cost.py), on hand-made costs: no model, no clock."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from quickdraft.engine.cost import KNEE, Acceptance, LinearCost, expected_tokens, plan_draft_lengths, step_rate
+from quickdraft.cost import KNEE, Acceptance, LinearCost, expected_tokens, plan_draft_lengths, step_rate
 
 
 def test_linear_cost_fits_its_points_and_follows_what_it_observes():
@@ -136,7 +136,7 @@ def test_calibration_runs_once_per_machine_and_model(monkeypatch, tmp_cache):
     the same CPU, shapes, formats and kernels. Another shape is timed anew."""
     import torch
 
-    from quickdraft.engine import cost
+    from quickdraft import cost
     from quickdraft.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.tiny import random_weights, tiny_config
@@ -166,7 +166,7 @@ def test_a_calibration_timed_on_a_busy_machine_is_not_cached(monkeypatch, tmp_ca
     to the cache: a later process times them again (a cached slow calibration priced drafts out)."""
     import torch
 
-    from quickdraft.engine import cost
+    from quickdraft import cost
     from quickdraft.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.tiny import random_weights, tiny_config
@@ -187,7 +187,7 @@ def test_a_calibration_timed_on_a_busy_machine_is_not_cached(monkeypatch, tmp_ca
 
 
 def test_others_share_counts_what_this_process_did_not_use():
-    from quickdraft.engine.cost import others_share
+    from quickdraft.cost import others_share
 
     # (machine busy s, machine total s, this process's CPU s): 4 s of 8 busy, 1 of them ours
     assert others_share((10.0, 100.0, 2.0), (14.0, 108.0, 3.0)) == 3.0 / 8.0
@@ -203,7 +203,7 @@ def test_others_share_sees_a_busy_process():
     import sys
     import time
 
-    from quickdraft.engine.cost import _cpu_sample, others_share
+    from quickdraft.cost import _cpu_sample, others_share
 
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     try:

@@ -1,0 +1,138 @@
+"""The package's layers: what a module imports, read from the source (no import circle; proposers
+look down to cost.py, never up to the engine) and from a fresh interpreter (a server replica
+loads no other command; the proposer registry loads only the method asked for)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import quickdraft
+
+PACKAGE = Path(quickdraft.__file__).parent
+# a lazy import inside a method, kept: draft_model's from_config hands a cross-tokenizer config
+# to draft_text's proposer, which reuses draft_model's loading and pass helpers
+ALLOWED_CIRCLES = [{"quickdraft.proposers.draft_model", "quickdraft.proposers.draft_text"}]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _imports(path: Path, known: dict) -> set[str]:
+    """The quickdraft modules ``path`` imports at run time, anywhere in it (a function's lazy
+    import included; ``if TYPE_CHECKING:`` blocks left out)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names}
+    return {m for m in out if m in known}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {m: _imports(f, known) - {m} for m, f in known.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    circles = [c for c in _circles(_graph()) if c not in ALLOWED_CIRCLES]
+    assert not circles, f"import circles: {[sorted(c) for c in circles]}"
+
+
+def test_proposers_look_down_to_the_cost_model_not_up_to_the_engine():
+    graph = _graph()
+    for module, deps in graph.items():
+        if module.startswith("quickdraft.proposers."):
+            up = sorted(d for d in deps if d.startswith(("quickdraft.engine", "quickdraft.server", "quickdraft.commands",
+                                                         "quickdraft.bench", "quickdraft.train")))
+            assert not up, f"{module} imports {up}"
+
+
+def test_nothing_below_the_commands_imports_them():
+    graph = _graph()
+    for module, deps in graph.items():
+        if not module.startswith("quickdraft.commands") and module not in ("quickdraft.__main__", "quickdraft.cli",
+                                                                             "quickdraft.demo"):
+            assert not any(d.startswith("quickdraft.commands") for d in deps), f"{module} imports a command"
+        if not module.startswith(("quickdraft.bench", "quickdraft.commands", "quickdraft.server.turns",
+                                  "quickdraft.server.loadgen", "quickdraft.train")):
+            assert not any(d.startswith("quickdraft.bench") for d in deps), f"{module} imports bench/"
+
+
+def _loaded_after(code: str) -> set[str]:
+    script = code + "\nimport json, sys\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('quickdraft'))))"
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       cwd=PACKAGE.parent)
+    assert p.returncode == 0, p.stderr
+    return set(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def test_a_server_replica_imports_only_the_serve_arguments():
+    loaded = _loaded_after("from quickdraft.server.cli import args_from_dict, serve_parser\n"
+                           "args_from_dict({'model': 'x.gguf', 'max_num_seqs': 4}, 'a test')\nserve_parser()")
+    for other in ("quickdraft.bench", "quickdraft.commands", "quickdraft.commands.advise", "quickdraft.train",
+                  "quickdraft.commands.check", "quickdraft.commands.profile", "quickdraft.deploy.ray_serve"):
+        assert other not in loaded, other
+
+
+def test_the_proposer_registry_imports_only_the_method_asked_for():
+    proposers = {"quickdraft.proposers." + m for m in ("none", "ngram", "suffix", "draft_model", "eagle3", "medusa",
+                                                       "layer_skip")}
+    assert not _loaded_after("import quickdraft.proposers.base") & proposers
+    loaded = _loaded_after("from quickdraft.proposers.base import proposer_class\nproposer_class('ngram')")
+    assert loaded & proposers == {"quickdraft.proposers.ngram"}
+
+
+def test_the_registry_table_names_every_method_and_class():
+    from quickdraft.config import METHODS
+    from quickdraft.proposers.base import REGISTRY, proposer_class
+
+    assert set(REGISTRY) == set(METHODS)
+    for method in REGISTRY:
+        assert proposer_class(method).method == method
