@@ -6,7 +6,8 @@
 // argument conversion, allocation) was a third of the 0.5B draft's pass. A NativeDecoder is made
 // once per model (models/decoder/native.py): it keeps the layers' weights as the kernels take
 // them, and a workspace of activations that every layer of every pass reuses, grown only when a
-// pass has more rows than any before. The pass's metadata is handed in once and checked once.
+// pass has more rows than any before. The pass's metadata is handed in once, and checked
+// against each layer's caches before the first layer runs (a few comparisons a sequence).
 //
 // What still allocates per layer: tensor handles for views (narrow, select, view: metadata only,
 // no storage), the small vectors linear_blocks_into takes, and torch's own bookkeeping inside
