@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -175,7 +176,17 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
 
 def _one_hot_argmax(logits: Tensor) -> Tensor:
     """[N, V] float32 one-hot at each row's argmax of ``logits`` [N, V] (lowest id on ties)."""
-    return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.zeros_like(logits).scatter_(1, argmax_rows(logits).unsqueeze(1), 1.0)
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """[N] int64: each row's argmax of ``x`` [N, V], the lowest index on ties (a NaN counts as the
+    largest), as ``x.argmax(-1)``. On the CPU numpy's vectorized argmax does it: torch's took
+    ~0.2 ms a 151,936-token row, and under a shared machine its threads waited ms for each other
+    (AMD EPYC, 2 cores), against ~15 us for numpy's; the answer is the same."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() == 2 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(-1).astype(np.int64, copy=False))
+    return x.argmax(-1)
 
 
 # The top-k set and the top-p nucleus are first looked for among the highest logits only (a

@@ -51,7 +51,7 @@ from quickdraft.proposers import draft_vocab
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
                                               top_children, tree_requests)
-from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
+from quickdraft.sampling import BatchSampling, argmax_rows, draw_uniforms, logits_to_probs, sample_from_probs
 
 
 # Draft passes that read a long catch-up (a prompt) run at prefill speed per row, not at the
@@ -338,7 +338,7 @@ def draw(seqs, logits: torch.Tensor, sampled: bool):
     """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
     batch samples (the request's temperature, top-k and top-p shape the head's N logits)."""
     if not sampled:
-        return logits.argmax(-1), None
+        return argmax_rows(logits), None
     batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
     uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
     return sample_draft(logits, batch, uniforms)
@@ -357,7 +357,7 @@ def sample_draft(logits: torch.Tensor, batch: BatchSampling, uniforms: torch.Ten
     """logits [n, N] over the head's rows, the rows' sampling parameters [n] and uniforms [n]
     -> rows [n] (the argmax for greedy rows) and the q [n, N] they were drawn from."""
     q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
-    return torch.where(batch.greedy, logits.argmax(-1), sample_from_probs(q, uniforms)), q
+    return torch.where(batch.greedy, argmax_rows(logits), sample_from_probs(q, uniforms)), q
 
 
 def available_device(name: str) -> str:

@@ -33,6 +33,7 @@ from quickdraft.models.decoder import Decoder
 from quickdraft.proposers.base import DraftProposal
 from quickdraft.proposers.draft_model import MAX_OBSERVED_FEED, confident_rows, draft_pass, load_draft
 from quickdraft.proposers.retokenize import Bridge, common_prefix
+from quickdraft.sampling import argmax_rows
 
 # The draft's tokens of a text may outnumber the target's (a smaller vocabulary): its cache holds
 # up to this many times the target's context, within the draft's own.
@@ -97,7 +98,7 @@ class TextDraftProposer:
                 keys = sum(key_reads(len(v.kv), len(feed[i])) for v, i in zip(views, active))
             logits = draft_pass(self.model, self.kv, [seqs[i].slot for i in active], [len(v.kv) for v in views],
                                 [feed[i] for i in active])  # [len(active), N]
-            rows_ = logits.argmax(-1)  # greedy: the drafts are point masses
+            rows_ = argmax_rows(logits)  # greedy: the drafts are point masses
             sure = confident_rows(logits, rows_, self.threshold)
             tokens = (rows_ if self.head_ids is None else self.head_ids[rows_]).tolist()
             if timed:

@@ -17,7 +17,7 @@ from torch import nn
 
 from quickdraft.errors import ConfigError
 from quickdraft.proposers.draft_model import confident_rows, sample_draft, to_vocab
-from quickdraft.sampling import BatchSampling, draw_uniforms
+from quickdraft.sampling import BatchSampling, argmax_rows, draw_uniforms
 
 
 def target_name(model) -> str:
@@ -57,7 +57,7 @@ def sample_rows(seqs, logits: torch.Tensor, head_ids: torch.Tensor | None, vocab
     clears ``threshold`` (draft_model.confident_rows): the argmax for greedy requests, else a draw
     from q shaped by the request's temperature, top-k and top-p, with the request's own generator."""
     if not sampled:
-        rows, q = logits.argmax(-1), None
+        rows, q = argmax_rows(logits), None
     else:
         batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
         uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.sampling import BatchSampling, logits_to_probs, sample_from_probs
+from quickdraft.sampling import BatchSampling, argmax_rows, logits_to_probs, sample_from_probs
 
 
 @dataclass
@@ -117,7 +117,7 @@ def verify(
 
 def _greedy_step(draft_token_ids: Tensor, target_logits: Tensor, layout: _Layout) -> tuple[Tensor, Tensor]:
     """Greedy acceptance [num_draft_tokens] bool and final tokens [batch] for every sequence."""
-    target_argmax = target_logits.argmax(dim=-1)  # [num_rows], lowest id on ties
+    target_argmax = argmax_rows(target_logits)  # [num_rows], lowest id on ties
     accepted = draft_token_ids == target_argmax[layout.draft_row]  # [num_draft_tokens]
     num_accepted = _num_accepted(accepted, layout)  # [batch]
     return accepted, target_argmax[layout.row_start + num_accepted]
