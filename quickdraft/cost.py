@@ -56,6 +56,9 @@ KNEE = 4
 # before the plan is trusted to keep a due probe from drafting (engine.py, _num_draft).
 TRUSTED_PASSES = 16
 ANCHOR_WEIGHT = 2.0  # a calibration point weighs as much as this many timed passes
+# The scaled normal equations' condition number past which a fit is left to lstsq over the points
+# (rounding in them grows with its square)
+NEAR_SINGULAR = 1e8
 
 
 def key_reads(context: int, rows: int) -> int:
@@ -69,14 +72,25 @@ class LinearCost:
 
     Fitted by weighted least squares with every coefficient kept >= 0 (a feature that comes out
     negative is dropped and the rest refitted); a feature the points do not vary is left at 0.
-    Points are (rows, seconds), or (rows, chains, key_reads, seconds)."""
+    Points are (rows, seconds), or (rows, chains, key_reads, seconds).
+
+    The engine refits after every pass it times, so the fit is kept cheap: the normal equations'
+    sums (X^T W X [5, 5] and X^T W y [5]) are updated as a point comes and the oldest goes (O(1),
+    recomputed from the points every RECENT passes so that rounding cannot build up), and solving
+    them, columns scaled to a unit diagonal, is a 5 x 5 system. That is ``lstsq``'s answer to
+    rounding; where the points leave the system near singular (fewer distinct points than
+    features) the fit falls back to ``lstsq`` over the points, whose minimum-norm answer it then is."""
 
     def __init__(self, points: list[tuple]):
         if not points:
             raise ValueError("a cost model needs at least one calibration point")
         self._anchors = [self._point(*p) for p in points]
         self._recent: collections.deque[tuple[float, ...]] = collections.deque(maxlen=RECENT)
+        x = np.array(self._anchors)[:, :5]
+        self._anchor_varies = [bool(np.ptp(x[:, j]) > 0) for j in range(5)]
+        self._anchor_value = x[0].tolist()  # a feature's value where the anchors do not vary it
         self._coef: np.ndarray | None = None  # fitted when first read after a change
+        self._resum()
 
     @staticmethod
     def _point(*p) -> tuple[float, ...]:
@@ -86,7 +100,7 @@ class LinearCost:
     @property
     def coef(self) -> np.ndarray:
         """[a, b, b_more, s, c]. A draft model observes K passes a step and the plan reads the fit
-        once, so the least squares run on the first read after new observations, not on each."""
+        once, so the fit runs on the first read after new observations, not on each."""
         if self._coef is None:
             self._coef = self._fit()
         return self._coef
@@ -111,25 +125,52 @@ class LinearCost:
         return LinearCost([(rows, chains, keys, seconds * factor) for _, rows, _, chains, keys, seconds in self._anchors])
 
     def observe(self, rows: int, seconds: float, chains: int = 1, keys: int = 0) -> None:
-        self._recent.append(self._point(rows, chains, keys, seconds))
+        point = self._point(rows, chains, keys, seconds)
+        if len(self._recent) == RECENT:
+            self._add(self._recent[0], -1.0)
+        self._recent.append(point)
+        self._add(point, 1.0)
+        self._changes += 1
+        if self._changes >= RECENT:
+            self._resum()
         self._coef = None
 
     def observed(self, min_rows: int = 1) -> int:
         """Passes of at least ``min_rows`` rows timed since the calibration (the last RECENT)."""
         return sum(1 for p in self._recent if p[1] >= min_rows)
 
-    def _fit(self) -> np.ndarray:
+    def _add(self, point: tuple[float, ...], weight: float) -> None:
+        """A timed pass's point into the sums (weight 1) or out of them (-1)."""
+        x = np.array(point[:5])
+        self._gram += weight * np.outer(x, x)
+        self._rhs += (weight * point[5]) * x
+        for j in range(5):
+            if not self._anchor_varies[j] and point[j] != self._anchor_value[j]:
+                self._differ[j] += int(weight)
+
+    def _resum(self) -> None:
+        """The sums from the points themselves."""
+        pts, w = self._points()
+        x = pts[:, :5]
+        self._gram = (x * w[:, None]).T @ x  # [5, 5]
+        self._rhs = (x * w[:, None]).T @ pts[:, 5]  # [5]
+        self._differ = [sum(1 for p in self._recent if p[j] != self._anchor_value[j]) for j in range(5)]
+        self._changes = 0
+
+    def _points(self) -> tuple[np.ndarray, np.ndarray]:
+        """[points, 6] every point (features, seconds), [points] its weight."""
         pts = np.array(self._anchors + list(self._recent))
-        w = np.sqrt(np.array([ANCHOR_WEIGHT] * len(self._anchors) + [1.0] * len(self._recent)))
-        x, y = pts[:, :5], pts[:, 5]
+        return pts, np.array([ANCHOR_WEIGHT] * len(self._anchors) + [1.0] * len(self._recent))
+
+    def _fit(self) -> np.ndarray:
         coef = np.zeros(5)
         # the intercept, and each feature the points vary
-        active = [0] + [j for j in range(1, 5) if np.ptp(x[:, j]) > 0]
+        active = [0] + [j for j in range(1, 5) if self._anchor_varies[j] or self._differ[j] > 0]
         if active == [0]:  # one shape only: no slope to learn, so assume rows cost in proportion
-            coef[1] = float(np.average(y, weights=w**2)) / max(x[0, 1], 1.0)
+            coef[1] = float(self._rhs[0] / self._gram[0, 0]) / max(self._anchors[0][1], 1.0)
             return coef
         while True:
-            sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            sol = self._solve(active)
             negative = [j for j, v in zip(active, sol) if v < 0 and j != 0]
             if not negative:
                 break
@@ -137,10 +178,28 @@ class LinearCost:
         coef[active] = np.maximum(sol, 0.0)
         return coef
 
+    def _solve(self, active: list[int]) -> np.ndarray:
+        """The least-squares coefficients of the ``active`` features, from the normal equations."""
+        gram, rhs = self._gram[np.ix_(active, active)], self._rhs[active]
+        scale = 1.0 / np.sqrt(np.diag(gram))  # a unit diagonal: keys (~1e4) beside the intercept (1)
+        scaled = gram * scale[:, None] * scale[None, :]
+        if np.linalg.cond(scaled) < NEAR_SINGULAR:
+            return scale * np.linalg.solve(scaled, rhs * scale)
+        return fit_lstsq(*self._points(), active)
+
     def to_dict(self) -> dict:
         a, b, b_more, s, c = self.coef
         return {"a_s": float(a), "b_s_per_row": float(b), "knee_rows": KNEE, "b_s_per_row_past_knee": float(b + b_more),
                 "s_per_chain": float(s), "s_per_1k_keys": float(c * 1000)}
+
+
+def fit_lstsq(points: np.ndarray, weights: np.ndarray, active: list[int]) -> np.ndarray:
+    """The weighted least-squares coefficients of the ``active`` features of ``points`` [n, 6]
+    (features, seconds) with ``weights`` [n], by lstsq (its minimum-norm answer where the points
+    do not determine them)."""
+    w = np.sqrt(weights)
+    sol, *_ = np.linalg.lstsq(points[:, active] * w[:, None], points[:, 5] * w, rcond=None)
+    return sol
 
 
 # Calibration points by (weights in memory, kind, shapes, threads): engines that share a loaded

@@ -6,9 +6,11 @@ import itertools
 import os
 import random
 
+import numpy as np
 import pytest
 
-from quickdraft.cost import KNEE, Acceptance, LinearCost, expected_tokens, plan_draft_lengths, step_rate
+from quickdraft.cost import (ANCHOR_WEIGHT, KNEE, RECENT, Acceptance, LinearCost, expected_tokens, plan_draft_lengths,
+                             step_rate)
 
 
 def test_linear_cost_fits_its_points_and_follows_what_it_observes():
@@ -43,6 +45,47 @@ def test_rows_past_the_knee_cost_more():
     assert cost(5) == pytest.approx(truth(5)) and cost(40) == pytest.approx(truth(40))
     straight = LinearCost([(r, 0.03 + 0.01 * r) for r in (1, 4, 8, 32)])
     assert straight.b_more == pytest.approx(0.0, abs=1e-12) and straight.row_cost(8) == pytest.approx(0.01)
+
+
+def lstsq_fit(anchors: list[tuple], recent: list[tuple]) -> np.ndarray:
+    """The fit as weighted lstsq over every point, features dropped as LinearCost drops them."""
+    pts = np.array([LinearCost._point(*p) for p in anchors] + [LinearCost._point(*p) for p in recent])
+    w = np.sqrt(np.array([ANCHOR_WEIGHT] * len(anchors) + [1.0] * len(recent)))
+    x, y = pts[:, :5], pts[:, 5]
+    coef = np.zeros(5)
+    active = [0] + [j for j in range(1, 5) if np.ptp(x[:, j]) > 0]
+    if active == [0]:
+        coef[1] = float(np.average(y, weights=w**2)) / max(x[0, 1], 1.0)
+        return coef
+    while True:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        negative = [j for j, v in zip(active, sol) if v < 0 and j != 0]
+        if not negative:
+            break
+        active = [j for j in active if j not in negative]
+    coef[active] = np.maximum(sol, 0.0)
+    return coef
+
+
+@pytest.mark.parametrize("anchors", [
+    "measured", [(1, 0.12), (9, 0.20), (33, 0.44)], [(1, 0.3), (8, 0.1)], [(4, 0.2)], [(1, 0.12), (33, 0.472)],
+])
+def test_the_running_fit_equals_lstsq_over_its_points(anchors):
+    """The normal equations kept up pass by pass (points in, the oldest out past RECENT, a resum
+    every RECENT) give lstsq's coefficients over the same points, on noisy passes that turn
+    features on (chains, keys where the anchors had none) and push slopes negative."""
+    anchors = TARGET_1_5B if anchors == "measured" else anchors
+    rng = random.Random(3)
+    cost, recent = LinearCost(anchors), []
+    for n in range(3 * RECENT + 5):
+        rows, chains = rng.randint(1, 6), rng.choice([1, 1, 2])
+        point = (rows, chains, rows * rng.randint(100, 3000), 0.04 + 0.008 * rows + rng.uniform(-0.02, 0.02))
+        if n < RECENT // 2:  # one shape first: the chains and keys features stay constant for a while
+            point = (1, 1, 0, 0.04 + rng.uniform(0, 0.01))
+        cost.observe(point[0], point[3], point[1], point[2])
+        recent = (recent + [point])[-RECENT:]
+        want = lstsq_fit(anchors, recent)
+        assert cost.coef == pytest.approx(want, rel=1e-6, abs=1e-12), n
 
 
 # passes measured here (AMD EPYC, 2 cores, stored Q4_K_M blocks; rows, chains, keys, seconds)
