@@ -1,6 +1,7 @@
 """The engine: requests in, one speculative step at a time, outputs out.
 
-``step`` reads like the data path in ARCHITECTURE.md: schedule, run, postprocess. Each request
+``step`` reads like the data path in ARCHITECTURE.md: schedule, run (engine/runner.py: propose,
+build the verification pass, forward, verify, commit), postprocess. Each request
 has its own sampling parameters, its own generator (seeded by its seed), its own K and its own
 stop conditions; the batch around it changes nothing in its tokens (see models/decoder/ on batch
 invariance).
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 
 from quickdraft.config import EngineConfig
 from quickdraft.cost import TRUSTED_PASSES, Acceptance, calibrate, expected_tokens, plan_draft_lengths
@@ -19,6 +19,7 @@ from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
 from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
+from quickdraft.engine.stops import StopRules
 from quickdraft.errors import ConfigError, PromptTooLongError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
@@ -57,13 +58,15 @@ class Engine:
         spec = config.speculative
         # the target's pass cost by rows, timed on slot 0 before any sequence holds it
         target_cost = calibrate(self.decoder, self.kv) if spec.enabled and spec.adaptive else None
-        self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost)
         self.prefix_cache = PrefixCache(config.max_num_seqs, enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_queue, self.prefix_cache)
         self.stats = SpecStats()  # the whole run's counters
         self.acceptance = Acceptance(decay=0.99)  # every sequence's drafts: the prior for a new one
-        self._ids = itertools.count()
         self.eos_token_ids = set(self.model.config.eos_token_ids)
+        # the runner commits each step's tokens under these rules and counts them into these counters
+        self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost,
+                             StopRules(self.eos_token_ids, self.max_model_len), self.stats, self.acceptance)
+        self._ids = itertools.count()
         # structured outputs: grammars compiled for this tokenizer, cached by spec
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size) if self.tokenizer else None
 
@@ -175,79 +178,16 @@ class Engine:
                            self.max_model_len - len(s) - 1)) for s in seqs]
 
     def _postprocess(self, r: StepResult) -> RequestOutput:
+        """A committed step's output: its sequence's text brought up to date, and its slot released
+        once it has finished."""
         seq = r.seq
-        if r.error is not None:
-            seq.finish("error", r.error)
-            self._release(seq)
-            return seq.to_output()
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
-        emitted = 0
-        for token in r.token_ids:
-            emitted += 1
-            before = len(seq.output_token_ids)
-            done = self._append(seq, token)
-            lp = r.logprobs[emitted - 1] if r.logprobs is not None else None
-            if len(seq.output_token_ids) > before:
-                if lp is not None:
-                    seq.output_logprobs.append(lp)
-            elif seq.finish_reason == "stop":  # an end of sequence: not output, yet clients score it (echo)
-                seq.eos_token_id, seq.eos_logprob = token, lp
-            if done:
-                break
-        if seq.detokenizer is not None and (seq.finish_reason != "stop" or not seq.params.stop):
-            seq.detokenizer.update()  # (a stop string has already updated it and cut seq.text)
-            seq.text = seq.detokenizer.text
-        self._track_acceptance(seq, r)
-        seq.spec.record(r.num_drafts, r.num_accepted, emitted, r.positions)
-        self.stats.record(r.num_drafts, r.num_accepted, emitted, r.positions)
+        if r.error is None:
+            if seq.detokenizer is not None and (seq.finish_reason != "stop" or not seq.params.stop):
+                seq.detokenizer.update()  # (a stop string has already updated it and cut seq.text)
+                seq.text = seq.detokenizer.text
         if seq.finished:
             self._release(seq)
         return seq.to_output()
-
-    def _track_acceptance(self, seq: Sequence, r: StepResult) -> None:
-        """The acceptance estimates and probe counter that _num_draft plans with."""
-        if r.num_drafts and not r.forced:  # a grammar's forced tokens say nothing of the proposer
-            seq.acceptance.record(r.chain_drafts, r.num_accepted)
-            self.acceptance.record(r.chain_drafts, r.num_accepted)
-            seq.steps_without_drafts = 0
-        else:  # a prompt pass, a step without speculation, or one where no draft was found
-            seq.steps_without_drafts += 1
-
-    def _append(self, seq: Sequence, token: int) -> bool:
-        """Add one token and apply the stop rules in plain decoding's order; True = finished."""
-        p = seq.params
-        if token in self.eos_token_ids and not p.ignore_eos:
-            seq.finish("stop")
-            return True
-        seq.append(token)
-        if seq.grammar is not None and not seq.grammar.advance(token):
-            seq.finish("error", f"the output left its grammar: {seq.grammar.error}")
-            return True
-        if p.stop and self._hit_stop(seq):
-            seq.finish("stop")
-            return True
-        if seq.grammar is not None and seq.grammar.terminated:  # complete: nothing may follow
-            seq.finish("stop")
-            return True
-        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
-            seq.finish("length")
-            return True
-        return False
-
-    def _hit_stop(self, seq: Sequence) -> bool:
-        """Whether the output now holds one of the request's stop strings; if so, its text is cut
-        before the first. Only the text that changed is searched, from as far back as the longest
-        stop string reaches into the text that did not: earlier text held none (it was searched
-        token by token), so the first occurrence is found as in the whole text."""
-        stops = seq.params.stop
-        unchanged = seq.detokenizer.update()
-        seq.text = text = seq.detokenizer.text
-        start = max(0, unchanged - max(map(len, stops)) + 1)
-        hit = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
-        if hit >= 0:
-            seq.text = text[:hit]
-        return hit >= 0
 
     def close(self) -> None:
         """Let the proposer write what must outlive the process (suffix's cache); the engine is not

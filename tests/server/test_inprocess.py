@@ -37,19 +37,19 @@ def _poisoned(seq) -> bool:
 def app(smollm2_path):
     engine = Engine(EngineConfig(model=MODEL, dtype="float32", max_num_seqs=4, max_model_len=256),
                     target=load_model(MODEL, torch.float32))
-    score = engine.runner._score
+    forward = engine.runner._forward
 
-    def poisoned_score(seqs, proposal):
-        logits = score(seqs, proposal)  # [num_draft_tokens + batch, V], an inference tensor as in real runs
+    def poisoned_forward(seqs, batch):
+        logits = forward(seqs, batch)  # [num_draft_tokens + batch, V], an inference tensor as in real runs
         start = 0
-        for s, k in zip(seqs, proposal.num_tokens):
+        for s, k in zip(seqs, batch.proposal.num_tokens):
             if _poisoned(s):
                 with torch.inference_mode():
                     logits[start : start + k + 1] = float("nan")
             start += k + 1
         return logits
 
-    engine.runner._score = poisoned_score
+    engine.runner._forward = poisoned_forward
     metrics = ServerMetrics(MODEL)
     return build_app(AsyncEngine(engine, metrics), ServerSettings(served_model_names=[MODEL])), engine
 
