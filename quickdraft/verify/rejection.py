@@ -92,14 +92,18 @@ def verify(
     Row j of sequence i's target rows scores the token after draft token j - 1 (row 0: after the
     last committed token). ``draft_probs`` None means point-mass drafts (n-gram lookup): q(x) = 1
     for the proposed token. Vectorized over the batch: all-greedy batches need one argmax per
-    row; sampled ones shape p (one softmax per row), gather p(x) and q(x) for every draft token at
-    once and touch the whole vocabulary again only for the final draw, once per sequence.
+    row (then a walk along lists); sampled ones shape p (one softmax per row), gather p(x) and
+    q(x) for every draft token at once and touch the whole vocabulary again only for the final
+    draw, once per sequence.
     """
     if min(num_draft_tokens, default=0) < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    _check_shapes(draft_token_ids, len(num_draft_tokens), sum(num_draft_tokens), target_logits, draft_probs, sampling,
+                  uniforms)
+    if bool(sampling.greedy.all()):
+        return _greedy_walk(draft_token_ids, num_draft_tokens, target_logits)
     device = target_logits.device
     layout = _Layout.build(num_draft_tokens, device)
-    _check_shapes(draft_token_ids, layout, target_logits, draft_probs, sampling, uniforms)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
     uniforms = uniforms.to(device=device, dtype=torch.float64)
     sampling = sampling.to(device)
@@ -108,11 +112,27 @@ def verify(
     final = torch.zeros_like(layout.num_draft)  # [batch]
     if bool(greedy.any()):
         accepted, final = _greedy_step(draft_token_ids, target_logits, layout)
-    if not bool(greedy.all()):
-        s_accepted, s_final = _sampled_step(draft_token_ids, target_logits, draft_probs, sampling, uniforms, layout)
-        accepted = torch.where(greedy[layout.draft_seq], accepted, s_accepted)
-        final = torch.where(greedy, final, s_final)
+    s_accepted, s_final = _sampled_step(draft_token_ids, target_logits, draft_probs, sampling, uniforms, layout)
+    accepted = torch.where(greedy[layout.draft_seq], accepted, s_accepted)
+    final = torch.where(greedy, final, s_final)
     return _to_lists(draft_token_ids, layout, _num_accepted(accepted, layout), final)
+
+
+def _greedy_walk(draft_token_ids: Tensor, num_draft_tokens: list[int], target_logits: Tensor) -> VerifyOutput:
+    """An all-greedy batch: _greedy_step's rule on lists, one argmax and one host transfer for
+    the batch (the ragged layout's dozen small tensors cost more than the walk, plain decoding's
+    one row above all)."""
+    argmax = argmax_rows(target_logits).tolist()  # [num_rows], lowest id on ties
+    drafts = draft_token_ids.tolist()
+    token_ids, counts, row, at = [], [], 0, 0
+    for k in num_draft_tokens:
+        n = 0
+        while n < k and drafts[at + n] == argmax[row + n]:
+            n += 1
+        token_ids.append(drafts[at : at + n] + [argmax[row + n]])
+        counts.append(n)
+        row, at = row + k + 1, at + k
+    return VerifyOutput(token_ids=token_ids, num_accepted=counts)
 
 
 def _greedy_step(draft_token_ids: Tensor, target_logits: Tensor, layout: _Layout) -> tuple[Tensor, Tensor]:
@@ -205,15 +225,14 @@ def _to_lists(draft_token_ids: Tensor, layout: _Layout, num_accepted: Tensor, fi
 
 def _check_shapes(
     draft_token_ids: Tensor,
-    layout: _Layout,
+    batch: int,
+    total: int,  # draft tokens in all
     target_logits: Tensor,
     draft_probs: Tensor | None,
     sampling: BatchSampling,
     uniforms: Tensor,
 ) -> None:
     """Shape errors are the caller's bug: raise ValueError with the sizes that disagree."""
-    batch = layout.num_draft.shape[0]
-    total = layout.draft_seq.shape[0]
     if tuple(draft_token_ids.shape) != (total,):
         raise ValueError(f"draft_token_ids has shape {tuple(draft_token_ids.shape)}, expected ({total},)")
     if target_logits.dim() != 2 or target_logits.shape[0] != total + batch:
