@@ -1,6 +1,7 @@
 """The documentation: the mkdocs site builds with --strict (a broken link, a missing anchor or a
-page left out of the navigation fails it), its generated pages are filled, and the README's
-relative links point at files that exist (the README is also the package's long description)."""
+page left out of the navigation fails it), its generated pages are filled, the README's relative
+links point at files that exist, and the package's PyPI page (pyproject.toml's readme) has no
+relative links, which PyPI cannot follow, and quotes the README's examples as they are."""
 
 from __future__ import annotations
 
@@ -30,6 +31,28 @@ def test_readme_links_resolve():
     assert local, "the README links to the docs"
     missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def _pypi_page() -> str:
+    readme = re.search(r'^readme = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)  # tomllib: 3.11+
+    return (ROOT / readme.group(1)).read_text()
+
+
+def test_the_pypi_page_has_no_relative_links():
+    text = _pypi_page()
+    # inline links and images, then reference definitions ("[name]: target")
+    targets = re.findall(r"\]\(\s*<?([^)\s>]*)", text) + re.findall(r"^\s*\[[^\]]+\]:\s*<?(\S*?)>?\s*$", text, re.M)
+    relative = [t for t in targets if not re.match(r"(https?:|mailto:|#)", t)]
+    assert not relative, f"relative links on the PyPI page: {relative}"
+
+
+def test_the_pypi_page_quotes_the_readme():
+    """Its examples are the README's, word for word (the install lines aside: PyPI installs by name)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", _pypi_page(), re.M | re.S)
+    assert blocks
+    stale = [b for b in blocks if "pip install" not in b and b not in readme]
+    assert not stale, f"examples on the PyPI page that the README does not have: {stale}"
 
 
 def _parsers(parser):

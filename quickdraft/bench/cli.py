@@ -190,7 +190,7 @@ def _configs(text: str | None) -> list[dict]:
 
 
 def build_config(settings: dict, args):
-    from quickdraft.bench.datasets import BUILTIN
+    from quickdraft.datasets import BUILTIN
     from quickdraft.bench.harness import BenchConfig, Variant, variants
     from quickdraft.bench.peers import PEERS
     from quickdraft.config import METHODS, SpeculativeConfig

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from quickdraft.bench import datasets, stats
+from quickdraft import datasets, stats
 from quickdraft.bench.floor import floor, measure_bandwidth
 from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError

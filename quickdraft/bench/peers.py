@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from quickdraft.bench import stats
+from quickdraft import stats
 from quickdraft.bench.summary import ALL, groups
 
 PEERS = ("transformers", "llama_cpp")

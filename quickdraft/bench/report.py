@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from quickdraft.bench.summary import ALL, best, top_dataset
+from quickdraft.report_format import clean, figure, md_table, text_table
 
 PLOTS = {
     "speedup": "speedup_by_category.png",
@@ -48,18 +49,6 @@ def _positions(values: list[float]) -> str:
 
 
 # -- tables -------------------------------------------------------------------------------------
-
-def text_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
-def md_table(headers: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
-    return "\n".join(out)
-
 
 MAIN_HEADERS = ["variant", "dataset", "category", "n", "tok/s med", "tok/s p90", "speedup", "geomean",
                 "acc. len", "acc. rate", "rows/pass", "TTFT s", "RSS MiB", "own MiB", "lossless"]
@@ -222,20 +211,13 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
 
 # -- plots --------------------------------------------------------------------------------------
 
-def _figure(width=8.0, height=4.5):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=110)
-    return fig, fig.add_subplot(1, 1, 1)
-
-
 def plot_speedup(rows: list[dict], path: Path) -> bool:
     spec = [r for r in rows if r["method"] != "none"]
     if not spec:
         return False
     groups = list(dict.fromkeys(f"{r['dataset']}/{r['category']}" for r in spec))
     variants = list(dict.fromkeys(r["variant"] for r in spec))
-    fig, ax = _figure(max(8.0, 0.35 * len(groups) * max(1, len(variants)) ** 0.5 + 4), 5.0)
+    fig, ax = figure(max(8.0, 0.35 * len(groups) * max(1, len(variants)) ** 0.5 + 4), 5.0)
     width = 0.8 / len(variants)
     for j, v in enumerate(variants):
         ys = {f"{r['dataset']}/{r['category']}": r["speedup"]["median"] for r in spec if r["variant"] == v}
@@ -255,7 +237,7 @@ def plot_acceptance(rows: list[dict], path: Path) -> bool:
            if r["category"] == ALL and r["dataset"] == top_dataset(rows) and r["acceptance_by_position"]]
     if not top:
         return False
-    fig, ax = _figure()
+    fig, ax = figure()
     for r in top:
         xs = list(range(1, len(r["acceptance_by_position"]) + 1))
         ax.plot(xs, r["acceptance_by_position"], marker="o", label=r["variant"])
@@ -279,7 +261,7 @@ def plot_k(rows: list[dict], floor_tps: float | None, path: Path) -> bool:
             lines.setdefault(label, []).append((r["k"], r["tokens_per_second_median"] or 0))
     if not lines:
         return False
-    fig, ax = _figure()
+    fig, ax = figure()
     for label, pts in lines.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
@@ -308,7 +290,7 @@ def plot_peers(result: dict, path: Path) -> bool:
         labels.append(f"{p['name']}\nvs {p['quickdraft_variant']}")
         theirs.append(p["tokens_per_second_median"] or 0)
         ours.append(p["quickdraft_tokens_per_second_median"] or 0)
-    fig, ax = _figure(max(8.0, 1.6 * len(labels)), 4.5)
+    fig, ax = figure(max(8.0, 1.6 * len(labels)), 4.5)
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], theirs, 0.4, label="peer")
     ax.bar([x + 0.2 for x in xs], ours, 0.4, label="quickdraft")
@@ -336,17 +318,6 @@ def plots(result: dict, out: Path) -> dict[str, str]:
 
 
 # -- files --------------------------------------------------------------------------------------
-
-def clean(value):
-    """NaN and infinities -> None, so that results.json is strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean(v) for v in value]
-    return value
-
 
 def write(result: dict, out: Path) -> dict[str, Path]:
     """results.json, report.md and the plots into ``out``; returns what was written."""

@@ -7,7 +7,7 @@ the same request, seed and repeat.
 
 from __future__ import annotations
 
-from quickdraft.bench import stats
+from quickdraft import stats
 
 ALL = "all"
 

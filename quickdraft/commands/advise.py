@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 
 from quickdraft.arguments import add_dtype_arg, add_flag, add_switch, numbers
-from quickdraft.bench.stats import median
 from quickdraft.engine.sequence import SpecStats
 from quickdraft.errors import ConfigError
+from quickdraft.stats import median
 
 BATCH_SIZES = (1, 4, 8)
 MIN_SPEEDUP = 1.10  # below this at batch 1 the gain is within this machine's noise: not worth a rollout
@@ -321,7 +321,7 @@ def advise(args) -> int:
 
     from quickdraft import SamplingParams
     from quickdraft.commands.advise_report import write
-    from quickdraft.bench import datasets
+    from quickdraft import datasets
     from quickdraft.models.kernels import cpu_model
     from quickdraft.models.loader import load_model
 

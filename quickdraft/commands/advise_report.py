@@ -1,12 +1,13 @@
 """The report of ``quickdraft advise`` (advise.py): markdown with its tables and plots, and the JSON
-of every figure. Plots use bench/report.py's figure helper, so the two reports look alike."""
+of every figure. Its tables and plots are drawn by report_format.py, as the bench's are, so the two
+reports look alike."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from quickdraft.bench.report import _figure, clean, md_table
+from quickdraft.report_format import clean, figure, md_table
 
 MIB = 2**20
 
@@ -20,7 +21,7 @@ def _s(x) -> str:
 
 
 def plot_acceptance(result: dict, path: Path) -> bool:
-    fig, ax = _figure(7.0, 4.0)
+    fig, ax = figure(7.0, 4.0)
     drawn = False
     for d in result["drafters"]:
         by_pos = d["runs"][0]["accepted_per_position"]
@@ -42,7 +43,7 @@ def plot_acceptance(result: dict, path: Path) -> bool:
 def plot_speedup(result: dict, path: Path) -> bool:
     if not result["drafters"]:
         return False
-    fig, ax = _figure(7.0, 4.0)
+    fig, ax = figure(7.0, 4.0)
     for d in result["drafters"]:
         xs = sorted(int(b) for b in d["speedup"])
         ax.plot(xs, [d["speedup"][str(b)] for b in xs], marker="o", label=d["name"])

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.datasets import humaneval
+from quickdraft.datasets import humaneval
 from quickdraft.errors import QuickdraftError
 from quickdraft.measure import summarize
 from quickdraft.models.loader import load_model

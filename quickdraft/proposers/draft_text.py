@@ -31,7 +31,8 @@ from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
 from quickdraft.proposers.base import DraftProposal
-from quickdraft.proposers.draft_model import MAX_OBSERVED_FEED, confident_rows, draft_pass, load_draft
+from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
+from quickdraft.proposers.draft_sampling import confident_rows
 from quickdraft.proposers.retokenize import Bridge, common_prefix
 from quickdraft.sampling import argmax_rows
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quickdraft.errors import ConfigError
-from quickdraft.proposers.draft_model import confident_rows, sample_draft, to_vocab
+from quickdraft.proposers.draft_sampling import confident_rows, sample_draft, to_vocab
 from quickdraft.sampling import BatchSampling, argmax_rows, draw_uniforms
 
 
@@ -54,7 +54,7 @@ def sample_rows(seqs, logits: torch.Tensor, head_ids: torch.Tensor | None, vocab
                 threshold: float = 0.0):
     """logits [n, N] over a head's rows, one per sequence -> full-vocabulary ids [n], q [n, V]
     (None when no sequence samples), and [n] whether the head's own probability of each token
-    clears ``threshold`` (draft_model.confident_rows): the argmax for greedy requests, else a draw
+    clears ``threshold`` (draft_sampling.confident_rows): the argmax for greedy requests, else a draw
     from q shaped by the request's temperature, top-k and top-p, with the request's own generator."""
     if not sampled:
         rows, q = argmax_rows(logits), None

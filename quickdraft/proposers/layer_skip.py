@@ -44,7 +44,8 @@ from quickdraft.errors import ConfigError
 from quickdraft.models.decoder import AttentionMetadata, Decoder, linear, nbytes
 from quickdraft.proposers import draft_vocab
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.draft_model import confident_rows, draw, head_rows, to_vocab
+from quickdraft.proposers.draft_load import head_rows
+from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
 
 log = logging.getLogger(__name__)
 

@@ -92,7 +92,7 @@ def test_auto_gives_a_gguf_draft_q4_0_and_null_keeps_it_stored(smollm2_path, tmp
     """"auto" (the default) requantizes a GGUF draft on the block kernels as "q4_0" does, through
     the loader's own cached conversion (a draft loaded by name is not read as stored first); a
     draft given "quantization": null stays as its file stores it."""
-    import quickdraft.proposers.draft_model as draft_model
+    import quickdraft.proposers.draft_load as draft_load
 
     def config(**extra):
         spec = SpeculativeConfig.parse({"method": "draft_model", "model": MODEL, **extra})
@@ -101,13 +101,13 @@ def test_auto_gives_a_gguf_draft_q4_0_and_null_keeps_it_stored(smollm2_path, tmp
     def formats(engine):
         return {w.ggml_type for w in engine.proposer.model.w.values() if isinstance(w, BlockWeight)}
 
-    wider_left, real = [], draft_model.requantized
+    wider_left, real = [], draft_load.requantized
 
     def spy(draft, weights, kind, head):
         wider_left.extend(n for n, w in weights.items() if ggml.wider(w, kind))
         return real(draft, weights, kind, head)
 
-    monkeypatch.setattr(draft_model, "requantized", spy)
+    monkeypatch.setattr(draft_load, "requantized", spy)
     assert formats(Engine(config())) == {"Q4_0"}
     assert not wider_left  # the loader made the Q4_0 weights, not the path for a draft handed in loaded
     stored = formats(Engine(config(quantization=None)))

@@ -143,7 +143,7 @@ def test_counted_subset_on_a_model_with_a_tokenizer(tiny_hf_dir, tmp_cache, tmp_
 
 def test_block_weight_head_is_selected(tmp_path):
     """A GGUF head kept as stored blocks is truncated with BlockWeight.select."""
-    from quickdraft.proposers.draft_model import truncated_head
+    from quickdraft.proposers.draft_load import truncated_head
 
     cfg = tiny_config("qwen2", vocab_size=8, hidden_size=64)
     w = random_weights(cfg)

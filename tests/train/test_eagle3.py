@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from quickdraft.bench.stats import tv_test
+from quickdraft.stats import tv_test
 from quickdraft.errors import ConfigError
 from quickdraft.models import eagle3 as head_file
 from quickdraft.models.loader import LoadedModel

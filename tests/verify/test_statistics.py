@@ -17,7 +17,7 @@ hands on q over the whole vocabulary with zeros outside the subset.
 import pytest
 import torch
 
-from quickdraft.proposers.draft_model import sample_draft, to_vocab
+from quickdraft.proposers.draft_sampling import sample_draft, to_vocab
 from quickdraft.sampling import BatchSampling, SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
 from quickdraft.structured import apply_masks
 from quickdraft.verify import rejection, verify

@@ -1,4 +1,5 @@
-"""The statistics of a benchmark run, as pure functions of plain numbers.
+"""The statistics of a run (the bench's, ``quickdraft check``'s and ``advise``'s), as pure functions
+of plain numbers.
 
 Terms:
 - *tokens/s* of one run: tokens after the first over the time from the first token to the last

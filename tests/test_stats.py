@@ -1,4 +1,4 @@
-"""The benchmark's statistics on hand-made inputs, and the results schema checker."""
+"""The statistics of a run (quickdraft/stats.py) on hand-made inputs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from quickdraft import measure
-from quickdraft.bench import schema, stats
+from quickdraft import measure, stats
 
 
 def test_median_and_percentiles():
@@ -101,15 +100,3 @@ def test_first_divergence_and_ulp():
     assert stats.first_divergence([1, 2], [1, 2, 3]) == 2  # one ended early
     assert measure.ulp(20.0, 2**-7) == 16 * 2**-7
     assert measure.ulp(-0.75, 2**-7) == 0.5 * 2**-7
-
-
-def test_schema_checker_names_what_is_wrong():
-    good = {"n": 1, "median": 1.0, "geomean": None, "p10": 1, "p90": 2.5}
-    assert schema.errors(good, schema.SPEEDUP) == []
-    bad = {"n": -1, "median": "fast", "p10": True, "p90": 1.0}
-    problems = schema.errors(bad, schema.SPEEDUP)
-    assert any("missing 'geomean'" in p for p in problems)
-    assert any("$.median: expected number" in p for p in problems)
-    assert any("$.p10" in p for p in problems)  # a bool is not a number
-    assert any("-1 < 0" in p for p in problems)
-    assert schema.errors({"method": "eagle"}, schema.VARIANT)[0].startswith("$: missing")
