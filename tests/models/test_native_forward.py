@@ -71,6 +71,27 @@ def test_captured_states_are_the_python_paths(dtype):
         run(decoder, "pass", passes[1:2], capture=(2,))
 
 
+def test_profiling_times_the_layers_and_changes_no_bit():
+    """``quickdraft profile``'s split: with profiling on, a pass adds its layers' time in three
+    parts (matrices, attention, the rest), from zero each time it goes on, and its output and
+    caches keep their bits."""
+    decoder = model(torch.bfloat16, "q4_k_m")
+    plain, kv_plain = run(decoder, "pass", NATIVE_PASSES)
+    native = decoder.native._model
+    native.set_profiling(True)
+    try:
+        profiled, kv_profiled = run(decoder, "pass", NATIVE_PASSES)
+        matrices, attention, other = native.times
+        assert matrices > 0 and attention > 0 and other > 0
+        native.set_profiling(True)
+        assert native.times == (0.0, 0.0, 0.0)
+    finally:
+        native.set_profiling(False)
+    assert_same(profiled, plain, kv_profiled, kv_plain)
+    run(decoder, "pass", NATIVE_PASSES[:1])
+    assert native.times == (0.0, 0.0, 0.0)  # off: nothing added
+
+
 def test_skipped_sublayers_take_the_layer_path_with_the_same_bits():
     """Layer skipping leaves sublayers out: no one-call pass, and still the Python path's bits."""
     decoder = model(torch.float32, "mixed")

@@ -41,6 +41,10 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torc
 void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor& y);
 void rotary_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
                  const torch::Tensor& y);
+void add_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
+void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
+void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
+void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
 
 // layer.cpp
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,

@@ -11,11 +11,12 @@
 //
 // What still allocates per layer: tensor handles for views (narrow, select, view: metadata only,
 // no storage), the small vectors linear_blocks_into takes, and torch's own bookkeeping inside
-// copy_ and the out= operations (add, silu, mul). Per pass: the returned hidden states (and the
+// silu_out, the one torch operation left in a layer. Per pass: the returned hidden states (and the
 // captured ones), which outlive the call.
 #include <torch/extension.h>
 
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "entry.h"
@@ -45,6 +46,20 @@ class NativeDecoder {
   }
 
   int64_t num_layers() const { return layers_; }
+
+  // Profiling: while on, every pass adds where its layers' time went (layer.h's LayerTimes);
+  // switching it on starts the sums from zero. The clock is read ~10 times a layer, so only then.
+  void set_profiling(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    profiling_ = on;
+    if (on) times_ = LayerTimes{};
+  }
+
+  // seconds summed over the passes since profiling went on: (matrices, attention, other)
+  std::tuple<double, double, double> times() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {times_.matrices, times_.attention, times_.other};
+  }
 
   // x [n, hidden]: the new tokens' embeddings; positions [n] int64; kcaches, vcaches: each layer's
   // [slots, kv_heads, max_len, d]; the sequences' metadata as layer.h's Pass; num_layers: run the
@@ -84,7 +99,8 @@ class NativeDecoder {
     for (int64_t l = 0; l < num_layers; ++l) {
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == l) captured.narrow(1, c * hidden, hidden).copy_(stream);
-      layer_into(stream, stream, &w_[9 * l], &kinds_[7 * l], &biases_[3 * l], kcaches[l], vcaches[l], pass, b);
+      layer_into(stream, stream, &w_[9 * l], &kinds_[7 * l], &biases_[3 * l], kcaches[l], vcaches[l], pass, b,
+                 profiling_ ? &times_ : nullptr);
     }
     torch::Tensor out = torch::empty({n, hidden}, x.options());
     rms_norm_into(stream, norm_, eps_, out);
@@ -103,6 +119,8 @@ class NativeDecoder {
   Buffers ws_;
   torch::Tensor stream_;
   int64_t ws_rows_ = 0;
+  bool profiling_ = false;
+  LayerTimes times_;
 };
 
 }  // namespace
@@ -114,5 +132,7 @@ void register_forward(pybind11::module& m) {
       .def_property_readonly("num_layers", &NativeDecoder::num_layers)
       // the GIL is let go: a pass touches no Python object, and the server's other threads may run
       .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "the decoder's layers and final norm over a pass's new tokens, in one call");
+           "the decoder's layers and final norm over a pass's new tokens, in one call")
+      .def("set_profiling", &NativeDecoder::set_profiling, "while on, passes add where their layers' time goes (from zero)")
+      .def_property_readonly("times", &NativeDecoder::times, "seconds in (matrices, attention, other) since profiling went on");
 }

@@ -6,12 +6,14 @@
 // interleaved in one process (AMD EPYC, stored Q4_K_M blocks, 200 tokens of context): the 0.5B
 // draft's one-row step 17.6 -> 16.0 ms, the 1.5B's 40.4 -> 39.5 and 40.5 -> 36.9 ms (two runs).
 // This is the same sequence of the same kernels (linear.cpp, blocks.cpp, rowwise.cpp,
-// attention.cpp) and of the same torch operations (silu, mul, add), in the same order, so its
-// output is bit for bit that of the Python path, which stays for long prefills, the
+// attention.cpp) and of the same elementwise operations (torch's silu; adds, multiplies and
+// conversions rounded as torch rounds them, rowwise.cpp), in the same order, so its output is bit
+// for bit that of the Python path, which stays for long prefills, the
 // int8 draft format, CUDA and CPUs without the kernels (tests/models/test_fused_layer.py).
 // forward.cpp runs every layer of a pass through the same layer_into.
 #include <torch/extension.h>
 
+#include <chrono>
 #include <vector>
 
 #include "entry.h"  // the kernels it strings together
@@ -48,6 +50,24 @@ void project_all_into(const torch::Tensor& x, const torch::Tensor* w, const int6
     i = end;
   }
 }
+
+// Adds the time since its last lap to one of a LayerTimes' fields; reads no clock without one.
+class Laps {
+ public:
+  explicit Laps(LayerTimes* times) : times_(times) {
+    if (times_) last_ = std::chrono::steady_clock::now();
+  }
+  void to(double LayerTimes::*field) {
+    if (!times_) return;
+    const auto now = std::chrono::steady_clock::now();
+    times_->*field += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  LayerTimes* times_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 }  // namespace
 
@@ -107,24 +127,28 @@ Buffers Buffers::first(int64_t n) const {
 
 void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const int64_t* kinds,
                 const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
-                const Pass& pass, const Buffers& b) {
+                const Pass& pass, const Buffers& b, LayerTimes* times) {
+  Laps laps(times);
   const int64_t n = x.size(0), d = kcache.size(3);
   rms_norm_into(x, w[0], pass.eps, b.h);
+  laps.to(&LayerTimes::other);
   const torch::Tensor qkv[3] = {b.q, b.k, b.v};
   project_all_into(b.h, w + 1, kinds, biases, qkv, 3);
+  laps.to(&LayerTimes::matrices);
   // rotated in place: rotary_into reads each pair of values before it writes them
   const torch::Tensor q = b.q.view({n, pass.heads, d}), k = b.k.view({n, pass.kv_heads, d}), v = b.v.view({n, pass.kv_heads, d});
   rotary_into(q, pass.cos, pass.sin, pass.positions, q);
   rotary_into(k, pass.cos, pass.sin, pass.positions, k);
   // attention reads float32 queries: the Python path's q.float(), one conversion for every sequence
-  if (b.qf.data_ptr() != b.q.data_ptr()) b.qf.copy_(b.q);
+  if (b.qf.data_ptr() != b.q.data_ptr()) convert_into(b.q, b.qf);
+  laps.to(&LayerTimes::other);
   const torch::Tensor qf = b.qf.view({n, pass.heads, d});
   int64_t start = 0;
   for (size_t i = 0; i < pass.slots.size(); ++i) {
     const int64_t ctx = pass.context_lens[i], len = pass.query_lens[i];
     const torch::Tensor keys = kcache.select(0, pass.slots[i]), values = vcache.select(0, pass.slots[i]);  // [kv_heads, max_len, d]
-    keys.narrow(1, ctx, len).copy_(k.narrow(0, start, len).transpose(0, 1));
-    values.narrow(1, ctx, len).copy_(v.narrow(0, start, len).transpose(0, 1));
+    write_cache(k.narrow(0, start, len), keys, ctx);
+    write_cache(v.narrow(0, start, len), values, ctx);
     const torch::Tensor qi = qf.narrow(0, start, len), oi = b.attn.narrow(0, start, len);
     const torch::Tensor ki = keys.narrow(1, 0, ctx + len), vi = values.narrow(1, 0, ctx + len);
     if (pass.tree_starts[i].has_value()) {
@@ -134,19 +158,28 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
     }
     start += len;
   }
-  if (b.attn_x.data_ptr() != b.attn.data_ptr()) b.attn_x.copy_(b.attn);  // the Python path's .to(x's dtype)
+  laps.to(&LayerTimes::attention);
+  if (b.attn_x.data_ptr() != b.attn.data_ptr()) convert_into(b.attn, b.attn_x);  // the Python path's .to(x's dtype)
+  laps.to(&LayerTimes::other);
   project_into(b.attn_x, w[4], kinds[3], c10::nullopt, b.o);
-  torch::Tensor mid = b.mid, gate = b.gate, y = out;  // handles (the out= operations take them by reference)
-  at::add_out(mid, x, b.o);
-  rms_norm_into(mid, w[5], pass.eps, b.h);
+  laps.to(&LayerTimes::matrices);
+  add_into(x, b.o, b.mid);
+  rms_norm_into(b.mid, w[5], pass.eps, b.h);
+  laps.to(&LayerTimes::other);
   const torch::Tensor gate_up[2] = {b.gate, b.up};
   const c10::optional<torch::Tensor> no_bias[2] = {c10::nullopt, c10::nullopt};
   project_all_into(b.h, w + 6, kinds + 4, no_bias, gate_up, 2);
-  // silu(gate) * up, each in place: elementwise, the same bits as the Python path's new tensors
+  laps.to(&LayerTimes::matrices);
+  // silu(gate) * up, each in place: torch's silu (its exp's bits are torch's), then the product as
+  // the Python path's multiply rounds it
+  torch::Tensor gate = b.gate;  // a handle: silu_out takes it by reference
   at::silu_out(gate, gate);
-  at::mul_out(gate, gate, b.up);
+  mul_into(gate, b.up, gate);
+  laps.to(&LayerTimes::other);
   project_into(gate, w[8], kinds[6], c10::nullopt, b.down);
-  at::add_out(y, mid, b.down);
+  laps.to(&LayerTimes::matrices);
+  add_into(b.mid, b.down, out);
+  laps.to(&LayerTimes::other);
 }
 
 // the same arguments as layer_into, one layer a call with buffers of its own -> x after the layer

@@ -38,6 +38,13 @@ struct Buffers {
   Buffers first(int64_t n) const;
 };
 
+// Where a layer's time goes, added to when a pass is profiled (NativeDecoder's profile): its
+// projections, its attention (the cache writes with it), and the rest (norms, rotary, the
+// elementwise steps and conversions).
+struct LayerTimes {
+  double matrices = 0, attention = 0, other = 0;
+};
+
 // The output width of a projection's weight: a dense [N, K] or block tiles [N / 16, bytes].
 inline int64_t out_features(const torch::Tensor& w, int64_t kind) { return kind == DENSE ? w.size(0) : w.size(0) * 16; }
 
@@ -45,7 +52,7 @@ inline int64_t out_features(const torch::Tensor& w, int64_t kind) { return kind 
 // is first written). w: input norm, q, k, v, o, post-attention norm, gate, up, down; kinds: the 7
 // projections' (DENSE or a block format); biases: q, k, v's; kcache, vcache: this layer's
 // [slots, kv_heads, max_len, d], written at the new tokens' positions. The pass's metadata must
-// have passed Pass::check.
+// have passed Pass::check. times: where the layer's time went is added there (nullptr: no clock is read).
 void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const int64_t* kinds,
                 const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
-                const Pass& pass, const Buffers& b);
+                const Pass& pass, const Buffers& b, LayerTimes* times = nullptr);

@@ -1,9 +1,12 @@
-// RMSNorm and rotary embedding, row by row, in one call each. Written by hand because at one to a
-// few rows a decoding step's time outside the matrices is torch's per-op overhead: the decoder's
-// torch versions take 5 and 6 small ops (~18 and ~27 us a call on a 2-core EPYC), these a few
-// microseconds. Each row's result depends on that row alone, in a fixed order (batch invariant).
+// RMSNorm, rotary embedding and the layer's elementwise steps, row by row, in one call each.
+// Written by hand because at one to a few rows a decoding step's time outside the matrices is
+// torch's per-op overhead: the decoder's torch versions of the first two take 5 and 6 small ops
+// (~18 and ~27 us a call on a 2-core EPYC), these a few microseconds; and each of the layer's
+// torch adds, multiplies and copies cost 1-4 us of dispatch a call where its work is well under
+// one. Each row's result depends on that row alone, in a fixed order (batch invariant).
 #include <torch/extension.h>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -47,7 +50,78 @@ void rotary_rows(const T* X, const float* C, const float* S, const int64_t* P, T
   }
 }
 
+// Elementwise over `count` values: parallel only where the work outgrows a parallel region's cost
+// (a prompt's pass); a value's result never depends on which thread computes it.
+constexpr int64_t PARALLEL_VALUES = 1 << 16;
+
+// out = a op b, each value as torch computes it: in float32, rounded once to T (to nearest even
+// for bfloat16, c10's conversion), so the bits of at::add_out and at::mul_out
+template <typename T, typename Op>
+void binary(const T* a, const T* b, T* out, int64_t count, Op op) {
+#pragma omp parallel for schedule(static) if (count > PARALLEL_VALUES)
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
+}
+
+template <typename From, typename To>
+void convert(const From* src, To* dst, int64_t count) {
+#pragma omp parallel for schedule(static) if (count > PARALLEL_VALUES)
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<To>(static_cast<float>(src[i]));
+}
+
+template <typename Op>
+void binary_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, Op op) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && out.is_contiguous() && a.sizes() == b.sizes() && a.sizes() == out.sizes(),
+              "a, b and out alike, contiguous");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "a, b and out of one dtype");
+  if (a.scalar_type() == torch::kFloat32) {
+    binary(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), a.numel(), op);
+  } else {
+    TORCH_CHECK(a.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+    binary(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), a.numel(), op);
+  }
+}
+
 }  // namespace
+
+// out = a + b, elementwise (out may be a or b)
+void add_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out) {
+  binary_into(a, b, out, [](float x, float y) { return x + y; });
+}
+
+// out = a * b, elementwise (out may be a or b)
+void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out) {
+  binary_into(a, b, out, [](float x, float y) { return x * y; });
+}
+
+// dst = src in dst's dtype (float32 <-> bfloat16, rounded to nearest even as torch's copy_), both
+// contiguous and of one size
+void convert_into(const torch::Tensor& src, const torch::Tensor& dst) {
+  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && src.numel() == dst.numel(), "src and dst contiguous, of one size");
+  const auto from = src.scalar_type(), to = dst.scalar_type();
+  if (from == torch::kBFloat16 && to == torch::kFloat32) {
+    convert(src.data_ptr<at::BFloat16>(), dst.data_ptr<float>(), src.numel());
+  } else if (from == torch::kFloat32 && to == torch::kBFloat16) {
+    convert(src.data_ptr<float>(), dst.data_ptr<at::BFloat16>(), src.numel());
+  } else {
+    TORCH_CHECK(from == to, "float32 <-> bfloat16, or one dtype");
+    std::memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size());
+  }
+}
+
+// rows [len, kv_heads, d] (contiguous) into cache [kv_heads, >= at + len, d] at positions at..at+len-1
+// (rows of d contiguous values: a KV cache slot), of one dtype
+void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at) {
+  TORCH_CHECK(rows.dim() == 3 && rows.is_contiguous() && cache.dim() == 3 && cache.size(0) == rows.size(1) &&
+                  cache.size(2) == rows.size(2) && cache.stride(2) == 1 && cache.scalar_type() == rows.scalar_type(),
+              "rows [len, kv_heads, d] contiguous, cache [kv_heads, L, d] of their dtype");
+  const int64_t len = rows.size(0), heads = rows.size(1), d = rows.size(2);
+  TORCH_CHECK(at >= 0 && at + len <= cache.size(1), "positions ", at, "..", at + len, " past the cache's ", cache.size(1));
+  const int64_t bytes = d * rows.element_size(), hs = cache.stride(0) * rows.element_size(), ks = cache.stride(1) * rows.element_size();
+  const char* src = static_cast<const char*>(rows.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  for (int64_t r = 0; r < len; ++r)
+    for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * hs + (at + r) * ks, src + (r * heads + h) * bytes, bytes);
+}
 
 // x [n, h], weight [h] of x's dtype (float32 or bfloat16) -> y [n, h], contiguous, of x's dtype
 // (written in place: forward.cpp's workspace; y may not overlap x)
