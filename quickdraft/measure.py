@@ -1,7 +1,9 @@
 """Measurements shared by the commands and the benchmark: one request's report (``summarize``),
 a block's peak memory (``RssSampler``), the target's top-2 logit margin at a divergence
-(``top2_margin``), which tells a near-tie (rounding) from a wrong token, and the machine and
-package versions a result was measured with (``machine``, ``versions``).
+(``top2_margin``), which tells a near-tie (rounding) from a wrong token, the machine's memory
+bandwidth (``measure_bandwidth``), where a decoding pass's time goes against its floor
+(``pass_split``), and the machine and package versions a result was measured with (``machine``,
+``versions``).
 
 It sits below the commands and bench/, and imports neither.
 """
@@ -90,6 +92,168 @@ def top2_margin(decoder, ids: list[int]) -> dict:
     unit = ulp(v[0], torch.finfo(decoder.dtype).eps)
     return {"top1_token": i[0], "top2_token": i[1], "top1_logit": v[0], "top2_logit": v[1],
             "margin": v[0] - v[1], "ulp": unit, "rounding_level": v[0] - v[1] <= 4 * unit}
+
+
+def measure_bandwidth(size_mib: int = 512, repeats: int = 8, threads: int | None = None) -> dict:
+    """Read bandwidth in bytes/s, measured the way the decoder reads: torch, with the decoder's
+    thread count, summing a float32 buffer much larger than the last-level cache, best of
+    ``repeats`` timed sums over ``size_mib`` MiB."""
+    import torch
+
+    from quickdraft.models.memory import Arena
+
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    # in huge pages where there are any, as the loader places the weights (models/memory.py): in
+    # 4 KiB pages the probe read ~27 GB/s where the kernels stream the weights at ~35
+    arena = Arena.create([size_mib << 20])
+    try:
+        if arena is not None:
+            x = arena.take(torch.float32, (size_mib << 18,)).fill_(1.0)
+        else:
+            x = torch.ones(size_mib << 18, dtype=torch.float32)  # size_mib MiB, 4 bytes each
+        x.sum()  # touch every page once, outside the timing
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t0)
+        nbytes = x.numel() * x.element_size()
+        del x
+        method = "torch.sum(float32)" + (", huge pages" if arena is not None else "")
+        return {"bandwidth_bytes_per_s": nbytes / best, "buffer_bytes": nbytes, "repeats": repeats,
+                "best_seconds": best, "threads": torch.get_num_threads(), "method": method}
+    finally:
+        torch.set_num_threads(old)
+
+
+def pass_split(decoder, kv, bandwidth: float, slot: int = 0, context: int = 256, passes: int = 20) -> dict:
+    """Where one decoding pass of one row goes, ``context`` tokens into a sequence, against its
+    floor (the bytes of weights it reads over ``bandwidth``, bytes/s): milliseconds, medians over
+    ``passes`` after a warm-up, of the whole pass (``Decoder.forward`` and ``Decoder.logits``)
+    and its parts:
+
+    - ``matrices``: the layers' projections; ``attention``: the layers' attention, cache writes
+      included; ``other_layer``: the rest of the layers (norms, rotary, elementwise steps), all
+      three as the native pass times them (kernels/layer.cpp), or None where the kernels do not
+      run the layers;
+    - ``outside_layers``: the rest of ``forward`` (embedding, Python, the call, the final norm);
+    - ``head``: the output head (``logits``).
+
+    The parts are their shares of the passes' summed time, times the median pass, so that they
+    add up to it. The floors are the layers' weight bytes and the head's over the bandwidth; each ``*_share``
+    is a floor over the time it bounds (1.0: the memory's pace)."""
+    import statistics
+
+    import torch
+
+    from quickdraft.models.decoder import AttentionMetadata, nbytes
+
+    device = decoder.device
+    fill = AttentionMetadata.chain([slot], [0], [context])
+    decoder.forward(torch.zeros(context, dtype=torch.long, device=device), fill.positions(device), kv, fill)
+    meta = AttentionMetadata.chain([slot], [context], [1])
+    tokens, positions = torch.zeros(1, dtype=torch.long, device=device), meta.positions(device)
+    native = decoder.native._model if decoder.native is not None and decoder.native.one_call else None
+    rows: dict[str, list[float]] = {k: [] for k in ("pass", "layers_call", "matrices", "attention", "other_layer", "head")}
+    for run in range(passes + 3):  # three to warm caches and kernels
+        if native is not None:
+            native.set_profiling(True)
+        t0 = time.perf_counter()
+        hidden = decoder.forward(tokens, positions, kv, meta)
+        t1 = time.perf_counter()
+        decoder.logits(hidden).cpu()
+        t2 = time.perf_counter()
+        if run < 3:
+            continue
+        rows["pass"].append(t1 - t0)
+        rows["head"].append(t2 - t1)
+        if native is not None:
+            matrices, attention, other = native.times
+            rows["matrices"].append(matrices)
+            rows["attention"].append(attention)
+            rows["other_layer"].append(other)
+            rows["layers_call"].append(matrices + attention + other)
+    if native is not None:
+        native.set_profiling(False)
+    # the parts as their shares of the passes' summed time, times the median pass: medians taken
+    # part by part need not add up to the pass's, and a busy machine's slow passes would skew means
+    forward = statistics.median(rows["pass"]) * 1e3
+    ms = {k: sum(v) / sum(rows["pass"]) * forward if v else None for k, v in rows.items()}
+    ms["pass"], ms["head"] = forward, statistics.median(rows["head"]) * 1e3
+    head_bytes = nbytes(decoder.lm_head)
+    layer_bytes = decoder.weight_bytes_per_token() - head_bytes
+    floor_layers, floor_head = layer_bytes / bandwidth * 1e3, head_bytes / bandwidth * 1e3
+    total = ms["pass"] + ms["head"]
+    out = {
+        "context": context, "passes": passes, "bandwidth_gb_per_s": bandwidth / 1e9,
+        "layer_weight_bytes": layer_bytes, "head_weight_bytes": head_bytes,
+        "total_ms": total, "floor_ms": floor_layers + floor_head, "floor_share": (floor_layers + floor_head) / total,
+        "forward_ms": ms["pass"], "head_ms": ms["head"], "head_floor_ms": floor_head, "head_share": floor_head / ms["head"],
+        "layers_floor_ms": floor_layers, "matrices_ms": ms["matrices"], "attention_ms": ms["attention"],
+        "other_layer_ms": ms["other_layer"],
+        "outside_layers_ms": ms["pass"] - ms["layers_call"] if ms["layers_call"] is not None else None,
+        "matrices_share": floor_layers / ms["matrices"] if ms["matrices"] else None,
+    }
+    return out
+
+
+def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
+    """The engine's own time a decoding step, beside its models' passes: one greedy request of
+    ``prompt_ids`` decoded for ``steps`` steps after its prompt's pass; for each step, the
+    runner's phases (engine/runner.py's StepTimes) and the seconds spent inside any Decoder's
+    ``forward`` and ``logits`` (the target's and a draft's), timed by wrapping both methods for
+    the run; then the request is aborted. ``engine_ms`` is a step less its models' passes: scheduling, proposing around the
+    draft's passes, building the pass, verification and commit. Medians, in milliseconds."""
+    import statistics
+
+    from quickdraft.models.decoder import Decoder
+    from quickdraft.sampling import SamplingParams
+
+    spent = [0.0]
+    originals = {name: getattr(Decoder, name) for name in ("forward", "logits")}
+
+    def timed(method):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return run
+
+    rows: dict[str, list[float]] = {"step": [], "models": [], "engine": []}
+    phases: dict[str, list[float]] = {}
+    for name, method in originals.items():
+        setattr(Decoder, name, timed(method))
+    try:
+        # room for every step to emit all its drafts; the request is cut after ``steps`` steps
+        request = engine.add_request(list(prompt_ids), SamplingParams(max_tokens=64 * (steps + 1), temperature=0.0,
+                                                                      ignore_eos=True))
+        for step in range(steps + 1):
+            if not engine.has_unfinished():  # the context ran out
+                break
+            spent[0] = 0.0
+            t0 = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - t0
+            if step == 0:  # the prompt's pass
+                continue
+            rows["step"].append(seconds)
+            rows["models"].append(spent[0])
+            rows["engine"].append(seconds - spent[0])
+            for phase, value in engine.runner.times.seconds.items():
+                phases.setdefault(phase, []).append(value)
+        if engine.has_unfinished():
+            engine.abort_request(request)
+    finally:
+        for name, method in originals.items():
+            setattr(Decoder, name, method)
+    med = {k: statistics.median(v) * 1e3 for k, v in rows.items() if v}
+    return {"steps": len(rows["step"]), "step_ms": med.get("step"), "models_ms": med.get("models"),
+            "engine_ms": med.get("engine"),
+            "phases_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()}}
 
 
 def machine() -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from quickdraft.commands.cli import main
 from quickdraft.cost import LinearCost
 from quickdraft.commands.profile import predict
@@ -29,6 +31,26 @@ def test_profile_command(capsys, tmp_path, smollm2_path):
     assert cost["a_s"] + cost["b_s_per_row"] > 0 and out["draft_cost"] is None
     assert len(out["plan"]) == 4 and all(0 <= r["k"] <= 4 and r["speedup"] >= 1.0 for r in out["plan"])
     assert png.stat().st_size > 10_000
+    split = out["split"]
+    assert "draft" not in split  # ngram has no draft model
+    p = split["target"]
+    assert p["floor_ms"] > 0 and p["total_ms"] == pytest.approx(p["forward_ms"] + p["head_ms"])
+    if p["matrices_ms"] is not None:  # the kernels run the layers: the parts add up to the pass
+        parts = p["matrices_ms"] + p["attention_ms"] + p["other_layer_ms"]
+        assert min(p["matrices_ms"], p["attention_ms"], p["other_layer_ms"]) > 0 and parts < p["forward_ms"]
+    e = split["engine"]
+    assert e["steps"] == 32 and 0 < e["models_ms"] < e["step_ms"]
+    assert 0 < e["engine_ms"] < e["step_ms"]
+    assert set(e["phases_ms"]) == {"propose", "plan", "build", "forward", "verify", "commit"}
+
+
+def test_profile_splits_the_draft_pass_too(capsys):
+    """With a draft model, its one-row pass is split beside the target's, and the text says both."""
+    code = main(["profile", "--model", "smollm2-135m-instruct", "--draft-model", "smollm2-135m-instruct",
+                 "--num-speculative-tokens", "2", "--batch-size", "1", "--acceptance-rates", "0.5"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "\ntarget | " in out and "\ndraft  | " in out and "the engine" in out
 
 
 def test_profile_needs_a_method(capsys):

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quickdraft import datasets, stats
-from quickdraft.bench.floor import floor, measure_bandwidth
+from quickdraft.bench.floor import floor
 from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError
-from quickdraft.measure import RssSampler, summarize, top2_margin
+from quickdraft.measure import RssSampler, measure_bandwidth, summarize, top2_margin
 from quickdraft.models.decoder import nbytes
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.proposers.heads import head_bytes

@@ -5,6 +5,11 @@ start-up (quickdraft/cost.py), then asks the engine's own planner, for each batc
 acceptance rate, which K it would choose and what speedup over plain decoding the cost model
 expects. The figures are predictions of the model from measured costs, not measured speedups:
 ``quickdraft bench`` and ``python -m quickdraft.server.loadgen`` measure those.
+
+Before the plan it says where the time goes (quickdraft/measure.py): a one-row pass of the target
+and of the draft against its floor (its weight bytes over the memory bandwidth measured here),
+split into the layers' matrices, their attention, the rest of the layers, the rest of the pass
+and the output head; and the engine's own time a decoding step, outside the models' passes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 BATCHES = (1, 2, 4, 8, 16)
 ALPHAS = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9)
 CONTEXT = 256  # tokens each sequence holds in the predictions
+SPLIT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 
 
 def register(sub) -> None:
@@ -68,7 +74,8 @@ def profile(args) -> int:
     target, draft = engine.runner.target_cost, engine.proposer.cost
     rows = predict(target, draft, spec.num_speculative_tokens, batches, alphas)
     result = {"model": args.model, "method": spec.method, "draft": spec.model, "k": spec.num_speculative_tokens,
-              "context": CONTEXT, "target_cost": target.to_dict(), "draft_cost": draft.to_dict() if draft else None, "plan": rows}
+              "context": CONTEXT, "target_cost": target.to_dict(), "draft_cost": draft.to_dict() if draft else None,
+              "split": split(engine), "plan": rows}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -78,11 +85,55 @@ def profile(args) -> int:
     return 0
 
 
+def split(engine) -> dict:
+    """Where the time goes on this machine (quickdraft/measure.py): a one-row pass of the target
+    and of the draft model (where the method has one) against its floor, and the engine's own
+    time a decoding step. Run before the engine holds any sequence: the passes use slot 0."""
+    from quickdraft.measure import engine_split, measure_bandwidth, pass_split
+
+    bandwidth = measure_bandwidth()["bandwidth_bytes_per_s"]
+    out = {"target": pass_split(engine.decoder, engine.kv, bandwidth, context=CONTEXT)}
+    draft, draft_kv = getattr(engine.proposer, "model", None), getattr(engine.proposer, "kv", None)
+    if draft is not None and draft_kv is not None:
+        out["draft"] = pass_split(draft, draft_kv, bandwidth, context=CONTEXT)
+    out["engine"] = engine_split(engine, engine.tokenizer.encode(SPLIT_PROMPT))
+    return out
+
+
+def _split_lines(split: dict) -> list[str]:
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    def share(v) -> str:
+        return "-" if v is None else f"{v:.0%}"
+
+    first = split["target"]
+    lines = [f"a one-row pass, {first['context']} tokens of context, against its floor (weight bytes over "
+             f"{first['bandwidth_gb_per_s']:.1f} GB/s read here), ms:",
+             "model  | pass (floor, share)  | matrices (floor, share) | attention | rest of layers | outside layers "
+             "| head (floor, share)"]
+    for name in ("target", "draft"):
+        p = split.get(name)
+        if p is None:
+            continue
+        lines.append(
+            f"{name:6} | {ms(p['total_ms'])} ({ms(p['floor_ms'])}, {share(p['floor_share'])}) | "
+            f"{ms(p['matrices_ms'])} ({ms(p['layers_floor_ms'])}, {share(p['matrices_share'])}) | {ms(p['attention_ms'])} | "
+            f"{ms(p['other_layer_ms'])} | {ms(p['outside_layers_ms'])} | "
+            f"{ms(p['head_ms'])} ({ms(p['head_floor_ms'])}, {share(p['head_share'])})")
+    e = split["engine"]
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in e["phases_ms"].items())
+    lines.append(f"a decoding step (median of {e['steps']}, greedy): {ms(e['step_ms'])} ms = the models' passes "
+                 f"{ms(e['models_ms'])} + the engine {ms(e['engine_ms'])} (phases: {phases})")
+    return lines
+
+
 def _table(result: dict, batches, alphas) -> str:
     from quickdraft.cost import describe
 
     lines = [f"{name} pass: {describe(result[key])}" for name, key in (("target", "target_cost"), ("draft", "draft_cost"))
              if result[key]]
+    lines += ["", *_split_lines(result["split"])]
     lines += ["", f"{result['method']}, K up to {result['k']}, {result['context']}-token contexts: "
               "planned K / expected speedup over plain decoding",
               "batch | " + " | ".join(f"alpha {a:.1f}" for a in alphas)]
