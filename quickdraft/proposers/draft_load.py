@@ -7,6 +7,7 @@ and ``draft_pass`` runs one pass over each slot's new tokens.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -74,11 +75,16 @@ def _loads_on_blocks(model, ctx, device: str) -> bool:
 def draft_pass(model: Decoder, kv: KVCache, slots: list[int], cached: list[int], feeds: list[list[int]]) -> torch.Tensor:
     """One draft pass: each slot's ``feeds`` tokens [len_i] at positions ``cached[i]``.. written
     into ``kv``; logits [len(slots), N] of each feed's last row."""
-    meta = AttentionMetadata.chain(slots, cached, [len(f) for f in feeds])
+    lens = [len(f) for f in feeds]
+    meta = AttentionMetadata.chain(slots, cached, lens)
     tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=model.device)
-    hidden = model.forward(tokens, meta.positions(model.device), kv, meta)
-    last = torch.tensor(meta.query_lens).cumsum(0) - 1
-    return model.logits(hidden[last.to(hidden.device)])
+    positions = torch.tensor([p for c, f in zip(cached, feeds) for p in range(c, c + len(f))], dtype=torch.long,
+                             device=model.device)  # meta.positions, without its small tensors (once a draft token)
+    hidden = model.forward(tokens, positions, kv, meta)
+    if len(tokens) == len(feeds):  # one token each: every row is a last row
+        return model.logits(hidden)
+    last = list(itertools.accumulate(lens))
+    return model.logits(hidden[torch.tensor(last, device=hidden.device) - 1])
 
 
 def available_device(name: str) -> str:
