@@ -89,7 +89,7 @@ class LinearCost:
         x = np.array(self._anchors)[:, :5]
         self._anchor_varies = [bool(np.ptp(x[:, j]) > 0) for j in range(5)]
         self._anchor_value = x[0].tolist()  # a feature's value where the anchors do not vary it
-        self._coef: np.ndarray | None = None  # fitted when first read after a change
+        self._coef: tuple[float, ...] | None = None  # fitted when first read after a change
         self._resum()
 
     @staticmethod
@@ -98,11 +98,12 @@ class LinearCost:
         return (1.0, float(rows), float(max(0, rows - KNEE)), float(chains), float(keys), float(seconds))
 
     @property
-    def coef(self) -> np.ndarray:
-        """[a, b, b_more, s, c]. A draft model observes K passes a step and the plan reads the fit
-        once, so the fit runs on the first read after new observations, not on each."""
+    def coef(self) -> tuple[float, ...]:
+        """(a, b, b_more, s, c). A draft model observes K passes a step and the plan reads the fit
+        once, so the fit runs on the first read after new observations, not on each. Python
+        floats: the plan does scalar arithmetic with them, where numpy's scalars cost ~10x."""
         if self._coef is None:
-            self._coef = self._fit()
+            self._coef = tuple(self._fit().tolist())
         return self._coef
 
     a = property(lambda self: self.coef[0])
