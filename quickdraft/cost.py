@@ -242,7 +242,7 @@ def _disk_key(decoder, shapes) -> str:
 CONTENDED = 0.15
 
 
-def _cpu_sample() -> tuple[float, float, float] | None:
+def cpu_sample() -> tuple[float, float, float] | None:
     """(the machine's busy CPU seconds, its total CPU seconds, this process's CPU seconds) from
     /proc/stat's first line (every CPU; idle and iowait are not busy, steal is), or None where
     there is no /proc/stat."""
@@ -260,7 +260,7 @@ def _cpu_sample() -> tuple[float, float, float] | None:
 
 def others_share(before, after) -> float | None:
     """The share of the machine's CPU time that went to other processes between two
-    ``_cpu_sample``s, or None when unknown (no /proc/stat, or under a second of CPU time in all,
+    ``cpu_sample``s, or None when unknown (no /proc/stat, or under a second of CPU time in all,
     where its 10 ms ticks would swamp the figure)."""
     if before is None or after is None or after[1] - before[1] < 1.0:
         return None
@@ -299,9 +299,9 @@ def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:
     disk = cache_dir() / "calibration" / f"{_disk_key(decoder, shapes)}.json"
     points = _read_points(disk)
     if points is None:
-        before = _cpu_sample()
+        before = cpu_sample()
         points = _time_passes(decoder, kv, slot, shapes)
-        share = others_share(before, _cpu_sample())
+        share = others_share(before, cpu_sample())
         if share is None or share <= CONTENDED:
             _write_points(disk, points)
         else:

@@ -246,14 +246,14 @@ def test_others_share_sees_a_busy_process():
     import sys
     import time
 
-    from quickdraft.cost import _cpu_sample, others_share
+    from quickdraft.cost import cpu_sample, others_share
 
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     try:
         time.sleep(0.2)  # the child's start-up
-        before = _cpu_sample()
+        before = cpu_sample()
         time.sleep(1.0)
-        share = others_share(before, _cpu_sample())
+        share = others_share(before, cpu_sample())
     finally:
         child.wait()
     assert share is not None and share > 0.5 / os.cpu_count()

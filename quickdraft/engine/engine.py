@@ -20,6 +20,7 @@ from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
 from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
 from quickdraft.engine.stops import StopRules
+from quickdraft.engine.threads import governor
 from quickdraft.errors import ConfigError, PromptTooLongError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
@@ -66,6 +67,10 @@ class Engine:
         # the runner commits each step's tokens under these rules and counts them into these counters
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost,
                              StopRules(self.eos_token_ids, self.max_model_len), self.stats, self.acceptance)
+        # the passes on the cores other processes leave free (engine/threads.py), where the kernels run
+        # the layers: their bits do not depend on the thread count
+        on_kernels = self.decoder.device.type == "cpu" and self.decoder.native is not None
+        self.threads = governor() if on_kernels else None
         self._ids = itertools.count()
         # structured outputs: grammars compiled for this tokenizer, cached by spec
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size) if self.tokenizer else None
@@ -113,6 +118,8 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        if self.threads is not None:
+            self.threads.update()
         self._reuse_prefixes()
         results = self.runner.step(seqs, self._num_draft(seqs), self._forced_room(seqs))
         return [self._postprocess(r) for r in results]

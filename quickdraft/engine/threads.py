@@ -15,6 +15,17 @@ So the policy is chosen when quickdraft loads, from the 1-minute load average (`
 where other work already keeps half the usable cores busy, libgomp's spinning otherwise. A user's
 own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` always wins.
 
+The wait policy is fixed once loaded, and the load average lags a minute, so a process that starts
+after quickdraft still found its threads spinning. The thread count can change at any time, so
+``ThreadGovernor`` follows the other processes while the engine runs: every half second it reads
+how much of the machine's CPU time went to other processes (/proc/stat, quickdraft/cost.py's
+``others_share``) and runs the passes on the cores they leave free, at least one, back up to the
+start's count when they go. One thread on a core of its own beats two that wait on each other
+beside a busy process (the 1.5B beside one CPU-bound process, see docs/design/threads.md).
+The kernels give a row the same bits whatever the thread count (each output is one thread's), so
+it changes no output; it is off where the layers do not run on the kernels, and where the user
+chose the count (``--threads``, ``OMP_NUM_THREADS``).
+
 Terms: the *wait policy* is ``OMP_WAIT_POLICY`` (passive: sleep at once); libgomp reads it once,
 when it is loaded (with ``import torch``), so ``passive_waits`` must be around that import. The
 *thread count* is torch's intra-op threads (``torch.set_num_threads``), which the kernels' parallel
@@ -24,8 +35,10 @@ regions follow too (both ask the calling thread's OpenMP setting).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
+import time
 
 from quickdraft.errors import ConfigError
 
@@ -61,12 +74,79 @@ def passive_waits():
             os.environ.pop("OMP_WAIT_POLICY", None)
 
 
+_pinned = "OMP_NUM_THREADS" in os.environ  # the user chose the count: nothing changes it
+
+
 def set_threads(threads: int) -> None:
-    """Run torch and the kernels on ``threads`` threads. Without a call they run on torch's
-    default: one thread per physical core the process may run on (its CPU affinity), or
-    ``$OMP_NUM_THREADS``."""
+    """Run torch and the kernels on ``threads`` threads, for good (no ``ThreadGovernor`` changes
+    it). Without a call they run on torch's default: one thread per physical core the process may
+    run on (its CPU affinity), or ``$OMP_NUM_THREADS``."""
+    global _pinned
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}", "threads")
     import torch
 
     torch.set_num_threads(threads)
+    _pinned = True
+
+
+def threads_for(others: float, threads: int, most: int, cpus: int) -> int:
+    """The thread count for the next passes, from ``others``, the cores other processes kept busy
+    lately (their share of the machine's CPU time x ``cpus``), with ``threads`` running now and
+    ``most`` the count to come back to. Fewer where the others need more than the cores left to
+    them (by half a core: a kernel thread's noise is not a process), more where a whole core
+    stands idle (by 0.3 of one), so that it does not swing between the two."""
+    if others > cpus - threads + 0.5:
+        return max(1, min(threads, cpus - round(others)))
+    if others < cpus - threads - 0.7:
+        return max(1, min(most, cpus - math.ceil(others - 0.3)))
+    return threads
+
+
+class ThreadGovernor:
+    """Runs the passes on the cores other processes leave free (see the module's docstring).
+    ``update`` is called before each engine step, from the thread that runs the passes (an
+    OpenMP thread count is that thread's own); it looks at the machine every ``interval`` s.
+    One for the process (``governor()``): engines made later must come back to the count the
+    process started with, not to one an earlier engine had lowered."""
+
+    def __init__(self, interval: float = 0.5, sample=None, share=None):
+        import torch
+
+        from quickdraft.cost import cpu_sample, others_share
+
+        self.torch = torch
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.most = torch.get_num_threads()
+        self.interval = max(interval, 1.0 / self.cpus)  # others_share needs a CPU second in all
+        self.sample, self.share = sample or cpu_sample, share or others_share
+        self.changes = 0  # times it changed the count (the server's metrics and the tests read it)
+        self._last, self._at = self.sample(), time.monotonic()
+
+    def update(self) -> int:
+        """The thread count for this step (changed where the machine's load calls for it)."""
+        now = time.monotonic()
+        threads = self.torch.get_num_threads()
+        if _pinned or now - self._at < self.interval:
+            return threads
+        sample = self.sample()
+        share = self.share(self._last, sample)
+        self._last, self._at = sample, now
+        if share is None:
+            return threads
+        want = threads_for(share * self.cpus, threads, self.most, self.cpus)
+        if want != threads:
+            self.torch.set_num_threads(want)
+            self.changes += 1
+        return want
+
+
+_governor: ThreadGovernor | None = None
+
+
+def governor() -> ThreadGovernor:
+    """The process's ThreadGovernor, made on first use."""
+    global _governor
+    if _governor is None:
+        _governor = ThreadGovernor()
+    return _governor

@@ -87,3 +87,55 @@ def test_llm_threads(restore_threads):
     config = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
     LLM(LoadedModel(config, random_weights(config, seed=0), None, "tiny"), threads=1, dtype="float32")
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("others, threads, want", [
+    (0.05, 2, 2),  # quiet: as many as at the start
+    (0.67, 2, 1),  # one busy process beside two threads that wait on each other: one thread
+    (1.0, 1, 1),  # it keeps its core: stay at one
+    (0.5, 1, 1),  # half a core idle: not enough to come back
+    (0.1, 1, 2),  # it left: back up
+])
+def test_threads_follow_the_cores_others_leave_free(others, threads, want):
+    from quickdraft.engine.threads import threads_for
+
+    assert threads_for(others, threads, most=2, cpus=2) == want
+
+
+def test_threads_on_a_larger_machine():
+    from quickdraft.engine.threads import threads_for
+
+    assert threads_for(3.0, 16, most=16, cpus=16) == 13
+    assert threads_for(1.0, 13, most=16, cpus=16) == 15  # two cores came free: one kept for the noise
+    assert threads_for(0.0, 15, most=15, cpus=16) == 15  # never past the count it started with
+
+
+def test_the_governor_changes_torchs_and_the_kernels_threads(monkeypatch, restore_threads):
+    """Fed other processes' shares of the machine, it sets the count for torch and for the
+    kernels' OpenMP regions alike, looks no more often than its interval, and leaves a count the
+    user chose alone."""
+    from quickdraft.engine import threads
+
+    monkeypatch.setattr(threads, "_pinned", False)
+    torch.set_num_threads(2)
+    shares = iter([0.4, 0.02, 0.4])  # others: 0.8 of the 2 cores, then none, then 0.8 again
+    gov = threads.ThreadGovernor(sample=lambda: None, share=lambda a, b: next(shares))
+    gov.cpus, gov.interval = 2, 0.0
+    assert gov.update() == 1 and (torch.get_num_threads(), openmp_threads()) == (1, 1)
+    assert gov.update() == 2 and openmp_threads() == 2
+    gov.interval = 3600.0
+    assert gov.update() == 2 and gov.changes == 2  # not looked at again within the interval
+    gov.interval = 0.0
+    monkeypatch.setattr(threads, "_pinned", True)
+    assert gov.update() == 2 and gov.changes == 2
+
+
+def test_an_engine_on_the_kernels_has_the_processs_governor():
+    from quickdraft.engine import threads
+
+    config = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
+    llm = LLM(LoadedModel(config, random_weights(config, seed=0), None, "tiny"), dtype="float32")
+    if llm.engine.decoder.native is None:
+        assert llm.engine.threads is None  # no kernels here: torch's own operations keep their count
+    else:
+        assert llm.engine.threads is threads.governor()
