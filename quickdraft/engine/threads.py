@@ -21,7 +21,7 @@ after quickdraft still found its threads spinning. The thread count can change a
 how much of the machine's CPU time went to other processes (/proc/stat, quickdraft/cost.py's
 ``others_share``) and runs the passes on the cores they leave free, at least one, back up to the
 start's count when they go. One thread on a core of its own beats two that wait on each other
-beside a busy process (the 1.5B beside one CPU-bound process, see docs/design/threads.md).
+beside a busy process (the 1.5B beside one CPU-bound process, docs/design/threads-and-profile.md).
 The kernels give a row the same bits whatever the thread count (each output is one thread's), so
 it changes no output; it is off where the layers do not run on the kernels, and where the user
 chose the count (``--threads``, ``OMP_NUM_THREADS``).
