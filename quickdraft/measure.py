@@ -156,7 +156,7 @@ def pass_split(decoder, kv, bandwidth: float, slot: int = 0, context: int = 256,
     meta = AttentionMetadata.chain([slot], [context], [1])
     tokens, positions = torch.zeros(1, dtype=torch.long, device=device), meta.positions(device)
     native = decoder.native._model if decoder.native is not None and decoder.native.one_call else None
-    rows: dict[str, list[float]] = {k: [] for k in ("pass", "layers_call", "matrices", "attention", "other_layer", "head")}
+    rows: dict[str, list[float]] = {k: [] for k in ("pass", "matrices", "attention", "other_layer", "head")}
     for run in range(passes + 3):  # three to warm caches and kernels
         if native is not None:
             native.set_profiling(True)
@@ -174,29 +174,28 @@ def pass_split(decoder, kv, bandwidth: float, slot: int = 0, context: int = 256,
             rows["matrices"].append(matrices)
             rows["attention"].append(attention)
             rows["other_layer"].append(other)
-            rows["layers_call"].append(matrices + attention + other)
     if native is not None:
         native.set_profiling(False)
     # the parts as their shares of the passes' summed time, times the median pass: medians taken
     # part by part need not add up to the pass's, and a busy machine's slow passes would skew means
     forward = statistics.median(rows["pass"]) * 1e3
-    ms = {k: sum(v) / sum(rows["pass"]) * forward if v else None for k, v in rows.items()}
+    ms = {k: sum(rows[k]) / sum(rows["pass"]) * forward if native is not None else None
+          for k in ("matrices", "attention", "other_layer")}
     ms["pass"], ms["head"] = forward, statistics.median(rows["head"]) * 1e3
     head_bytes = nbytes(decoder.lm_head)
     layer_bytes = decoder.weight_bytes_per_token() - head_bytes
     floor_layers, floor_head = layer_bytes / bandwidth * 1e3, head_bytes / bandwidth * 1e3
     total = ms["pass"] + ms["head"]
-    out = {
+    return {
         "context": context, "passes": passes, "bandwidth_gb_per_s": bandwidth / 1e9,
         "layer_weight_bytes": layer_bytes, "head_weight_bytes": head_bytes,
         "total_ms": total, "floor_ms": floor_layers + floor_head, "floor_share": (floor_layers + floor_head) / total,
         "forward_ms": ms["pass"], "head_ms": ms["head"], "head_floor_ms": floor_head, "head_share": floor_head / ms["head"],
         "layers_floor_ms": floor_layers, "matrices_ms": ms["matrices"], "attention_ms": ms["attention"],
         "other_layer_ms": ms["other_layer"],
-        "outside_layers_ms": ms["pass"] - ms["layers_call"] if ms["layers_call"] is not None else None,
+        "outside_layers_ms": forward - ms["matrices"] - ms["attention"] - ms["other_layer"] if native is not None else None,
         "matrices_share": floor_layers / ms["matrices"] if ms["matrices"] else None,
     }
-    return out
 
 
 def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:

@@ -120,7 +120,7 @@ class ThreadGovernor:
         self.most = torch.get_num_threads()
         self.interval = max(interval, 1.0 / self.cpus)  # others_share needs a CPU second in all
         self.sample, self.share = sample or cpu_sample, share or others_share
-        self.changes = 0  # times it changed the count (the server's metrics and the tests read it)
+        self.changes = 0  # times it changed the count (the tests and the shared-cores measurement read it)
         self._last, self._at = self.sample(), time.monotonic()
 
     def update(self) -> int:

@@ -78,9 +78,7 @@ def draft_pass(model: Decoder, kv: KVCache, slots: list[int], cached: list[int],
     lens = [len(f) for f in feeds]
     meta = AttentionMetadata.chain(slots, cached, lens)
     tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=model.device)
-    positions = torch.tensor([p for c, f in zip(cached, feeds) for p in range(c, c + len(f))], dtype=torch.long,
-                             device=model.device)  # meta.positions, without its small tensors (once a draft token)
-    hidden = model.forward(tokens, positions, kv, meta)
+    hidden = model.forward(tokens, meta.positions(model.device), kv, meta)
     if len(tokens) == len(feeds):  # one token each: every row is a last row
         return model.logits(hidden)
     last = list(itertools.accumulate(lens))
