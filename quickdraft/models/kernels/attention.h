@@ -13,8 +13,9 @@
 // The heads that share a KV head (grouped-query attention) run together, a block of keys at a
 // time: the block's keys (then values) are converted to float32 once for all of them and read from
 // L1 by each, which only interleaves the heads' sequences. A key at a time and head by head, with
-// the C library's expf, cost ~10 ns a (head, key) on an AMD EPYC Zen 4 (docs/design/kernels.md
-// has the figures before and after).
+// the C library's expf, this cost ~10 ns a (head, key) on an AMD EPYC Zen 4 (Qwen2.5-Coder-1.5B, 2
+// threads, one row over 4,000 keys: 13.7 ms a token of attention); so, 10.0 ms, then with the
+// prefetch below ~20% less again (interleaved A/B on a busy machine).
 #pragma once
 
 #include <omp.h>
