@@ -1,9 +1,10 @@
-// One instruction set's kernels (the cores on raw pointers: linear.h, blocks.h) behind C names
+// One instruction set's kernels (the cores on raw pointers: linear.h, blocks.h, attention.h) behind C names
 // prefixed by the ISA, so that kernels_test.cpp links several ISAs into one program and compares
 // them. Compiled once per ISA with -DQD_ISA_<NAME> -DQD_PREFIX=<name>.
 #include <cstring>
 #include <vector>
 
+#include "../../quickdraft/models/kernels/attention.h"
 #include "../../quickdraft/models/kernels/blocks.h"
 #include "../../quickdraft/models/kernels/linear.h"
 
@@ -111,6 +112,29 @@ int64_t QD_NAME(tile_bytes)(int kind, int64_t K) {
       return qd::Format<KIND>::tile_bytes(K / qd::Format<KIND>::L);
     }
   });
+}
+
+// attention.h: a chain (start null: row j over keys 0..ctx+j) or a tree (attend_tree's start,
+// path, hidden) over K, V [Hkv, L, d], float32 (bf16 = 0) or bfloat16
+void QD_NAME(attend)(int bf16, const float* Q, const void* K, const void* V, int64_t L, float* O, int64_t m, int64_t H,
+                     int64_t Hkv, int64_t d, int64_t ctx, int64_t hidden, const int64_t* start, const int64_t* path, float scale) {
+  auto run = [&](auto* k, auto* v) {
+    if (start == nullptr) {
+      qd::attend_chain(Q, k, v, L * d, d, O, m, H, Hkv, d, ctx, scale);
+    } else {
+      qd::attend_tree(Q, k, v, L * d, d, O, m, H, Hkv, d, ctx, hidden, start, path, scale);
+    }
+  };
+  if (bf16) {
+    run(static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V));
+  } else {
+    run(static_cast<const float*>(K), static_cast<const float*>(V));
+  }
+}
+
+// simd.h's exp_neg over x[0..n), n a multiple of 16
+void QD_NAME(exp_neg)(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) simd::store_f(y + i, simd::exp_neg(simd::load_f(x + i)));
 }
 
 }  // extern "C"

@@ -1,9 +1,12 @@
 // The kernels' cores on one machine's instruction sets, without Python or torch (so that the ARM64
 // ones run under qemu-user on an x86 machine): each ISA's kernels give a row the same bits
 // whatever else is in the pass (1..MAX_ROWS rows), and the bits of the portable reference where
-// simd.h promises them (float32, int8 and GGUF-block linears; bfloat16 except on AVX512-BF16).
+// simd.h promises them (float32, int8 and GGUF-block linears, attention and its exp; bfloat16
+// except on AVX512-BF16).
 // Built and run by tests/models/test_native_kernels.py; prints one line per check, and
 // "N passed, N failed" last.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -19,9 +22,13 @@
                                 int64_t);                                                                                  \
   extern "C" int p##_linear_blocks(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*);                   \
   extern "C" int p##_sanitize(int, uint8_t*, int64_t, int64_t);                                                            \
-  extern "C" int64_t p##_tile_bytes(int, int64_t);
+  extern "C" int64_t p##_tile_bytes(int, int64_t);                                                                        \
+  extern "C" void p##_attend(int, const float*, const void*, const void*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, \
+                             int64_t, int64_t, const int64_t*, const int64_t*, float);                                     \
+  extern "C" void p##_exp_neg(const float*, float*, int64_t);
 
-#define QD_TABLE(p) Kernels{#p, p##_linear_f32, p##_linear_bf16, p##_linear_w8, p##_linear_blocks, p##_sanitize, p##_tile_bytes}
+#define QD_TABLE(p) \
+  Kernels{#p, p##_linear_f32, p##_linear_bf16, p##_linear_w8, p##_linear_blocks, p##_sanitize, p##_tile_bytes, p##_attend, p##_exp_neg}
 
 QD_DECLARE(portable)
 #if defined(__x86_64__)
@@ -41,6 +48,9 @@ struct Kernels {
   int (*blocks)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*);
   int (*sanitize)(int, uint8_t*, int64_t, int64_t);
   int64_t (*tile_bytes)(int, int64_t);
+  void (*attend)(int, const float*, const void*, const void*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                 int64_t, const int64_t*, const int64_t*, float);
+  void (*exp_neg)(const float*, float*, int64_t);
 };
 
 constexpr int64_t MAX_ROWS = 19;
@@ -140,6 +150,101 @@ void test_isa(const Kernels& k, const Kernels& ref, bool same_bf16) {
   }
 }
 
+
+// exp_neg: within 2 ulp of e^x (rounded from double) on [-87, 0], the portable bits, and NaN kept
+void test_exp(const Kernels& k, const Kernels& ref) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> wide(-87.0f, 0.0f), narrow(-1.0f, 0.0f);
+  std::vector<float> x = {0.0f, -0.0f, -87.0f, -1e-30f, -0.34657359f, -0.34657362f, -86.99f, -50.0f};
+  while (x.size() < (1 << 18)) x.push_back(x.size() % 2 ? wide(rng) : narrow(rng));
+  std::vector<float> y(x.size()), yr(x.size());
+  k.exp_neg(x.data(), y.data(), static_cast<int64_t>(x.size()));
+  ref.exp_neg(x.data(), yr.data(), static_cast<int64_t>(x.size()));
+  int64_t worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float want = static_cast<float>(std::exp(static_cast<double>(x[i])));
+    int32_t a, b;
+    std::memcpy(&a, &y[i], 4), std::memcpy(&b, &want, 4);
+    worst = std::max<int64_t>(worst, std::abs(static_cast<int64_t>(a) - b));
+  }
+  const std::string isa = k.name;
+  check(worst <= 2, isa + " exp_neg within 2 ulp of e^x on [-87, 0] (worst " + std::to_string(worst) + ")");
+  check(y == yr, isa + " exp_neg equals portable");
+  float edge[16], out[16];
+  for (int i = 0; i < 16; ++i) edge[i] = i == 3 ? NAN : -200.0f * i;
+  k.exp_neg(edge, out, 16);
+  bool ok = std::isnan(out[3]) && out[0] == 1.0f;
+  for (int i = 1; i < 16; ++i) ok = ok && (i == 3 || (out[i] > 0.0f && out[i] < 1e-37f));
+  check(ok, isa + " exp_neg: 1 at 0, tiny and positive below -87, NaN kept");
+}
+
+// attention.h: each chain row equals that row computed alone, a chain given as a tree is the
+// chain, each tree row equals the chain row of its history, and all of it has the portable bits;
+// for float32 and bfloat16 caches, and heads a KV head of 6 (Qwen2.5's) and 7 (every round size)
+void test_attention(const Kernels& k, const Kernels& ref) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  const std::string isa = k.name;
+  struct Shape { int64_t H, Hkv, d; };
+  for (const Shape sh : {Shape{12, 2, 128}, Shape{7, 1, 80}})
+    for (int half : {0, 1}) {
+      const int64_t m = MAX_ROWS, ctx = 37, L = ctx + m + 5, N = sh.H * sh.d;
+      const std::string what = isa + " attention " + (half ? "bf16" : "f32") + " H=" + std::to_string(sh.H) + " d=" + std::to_string(sh.d);
+      std::vector<float> Q(m * N), Kf(sh.Hkv * L * sh.d), Vf(Kf.size());
+      for (auto& v : Q) v = normal(rng);
+      for (auto& v : Kf) v = 2.0f * normal(rng);
+      for (auto& v : Vf) v = normal(rng);
+      std::vector<uint16_t> Kh(Kf.size()), Vh(Vf.size());
+      for (size_t i = 0; i < Kf.size(); ++i) Kh[i] = bf16(Kf[i]), Vh[i] = bf16(Vf[i]);
+      const void* K = half ? static_cast<const void*>(Kh.data()) : Kf.data();
+      const void* V = half ? static_cast<const void*>(Vh.data()) : Vf.data();
+      const float scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
+      auto chain = [&](const Kernels& kk, const float* q, int64_t rows, int64_t c, const void* kc, const void* vc, float* out) {
+        kk.attend(half, q, kc, vc, L, out, rows, sh.H, sh.Hkv, sh.d, c, 0, nullptr, nullptr, scale);
+      };
+      std::vector<float> full(m * N), part(N), fr(m * N);
+      chain(k, Q.data(), m, ctx, K, V, full.data());
+      bool alone = true;
+      for (int64_t j = 0; j < m; ++j) {
+        chain(k, Q.data() + j * N, 1, ctx + j, K, V, part.data());
+        alone = alone && std::memcmp(part.data(), full.data() + j * N, sizeof(float) * N) == 0;
+      }
+      check(alone, what + ": each chain row as alone");
+      chain(ref, Q.data(), m, ctx, K, V, fr.data());
+      check(full == fr, what + ": chain equals portable");
+
+      // a tree over the context: node j's parent (-1: none), its path root first
+      const int64_t parents[MAX_ROWS] = {-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 0, 10, 11, 4, 13, 8, 15, 2, 17};
+      std::vector<int64_t> start = {0}, path;
+      for (int64_t j = 0; j < m; ++j) {
+        std::vector<int64_t> p;
+        for (int64_t a = j; a >= 0; a = parents[a]) p.insert(p.begin(), a);
+        path.insert(path.end(), p.begin(), p.end());
+        start.push_back(static_cast<int64_t>(path.size()));
+      }
+      std::vector<float> tree(m * N), tr(m * N);
+      k.attend(half, Q.data(), K, V, L, tree.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale);
+      ref.attend(half, Q.data(), K, V, L, tr.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale);
+      check(tree == tr, what + ": tree equals portable");
+      bool as_chain = true;  // node j's row: the last row of the chain over the context and its path
+      for (int64_t j = 0; j < m; ++j) {
+        std::vector<float> Kc = Kf, Vc = Vf;
+        std::vector<uint16_t> Khc = Kh, Vhc = Vh;
+        const int64_t n = start[j + 1] - start[j];
+        for (int64_t h = 0; h < sh.Hkv; ++h)
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t from = (h * L + ctx + path[start[j] + i]) * sh.d, to = (h * L + ctx + i) * sh.d;
+            std::memcpy(&Kc[to], &Kf[from], sizeof(float) * sh.d), std::memcpy(&Vc[to], &Vf[from], sizeof(float) * sh.d);
+            std::memcpy(&Khc[to], &Kh[from], 2 * sh.d), std::memcpy(&Vhc[to], &Vh[from], 2 * sh.d);
+          }
+        const void* kc = half ? static_cast<const void*>(Khc.data()) : Kc.data();
+        const void* vc = half ? static_cast<const void*>(Vhc.data()) : Vc.data();
+        chain(k, Q.data() + j * N, 1, ctx + n - 1, kc, vc, part.data());
+        as_chain = as_chain && std::memcmp(part.data(), tree.data() + j * N, sizeof(float) * N) == 0;
+      }
+      check(as_chain, what + ": each tree row equals the chain row of its history");
+    }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,7 +261,11 @@ int main(int argc, char** argv) {
     std::string name = argv[a], variant;
     if (const auto dash = name.find('+'); dash != std::string::npos) variant = name.substr(dash + 1), name = name.substr(0, dash);
     for (const Kernels& k : all)
-      if (name == k.name) test_isa(k, ref, variant != "bf16");  // "avx512+bf16": vdpbf16ps rounds its own way
+      if (name == k.name) {
+        test_isa(k, ref, variant != "bf16");  // "avx512+bf16": vdpbf16ps rounds its own way
+        test_exp(k, ref);
+        test_attention(k, ref);
+      }
   }
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

@@ -1,95 +1,10 @@
-// Attention of a chain of new tokens over one sequence's cache: row j (of m) attends over the
-// first ctx + j + 1 keys, as it would when decoded alone. Written by hand for two reasons:
-// - batch invariance: each (row, head) runs one fixed sequence over exactly its own keys (dot
-//   products in 16 lanes then simd.h's one reduction tree, max, exp, sums in key order), so its bits do not
-//   depend on how many rows the pass has; torch's softmax and matmul round by shape;
-// - cost: a verification pass of m rows is one call, not m x (a dozen small torch ops) per layer.
+// attention.h's kernels bound to torch: the shape checks, then one call on raw pointers.
 #include <torch/extension.h>
 
 #include <array>
-#include <cmath>
-#include <vector>
 
+#include "attention.h"
 #include "entry.h"
-#include "simd.h"
-
-namespace {
-
-constexpr int64_t MAX_HEAD_DIM = 256;
-
-// out[d] = sum_i softmax(scale * q . k_i)_i * v_i over keys key(0)..key(len - 1), in that order;
-// d a multiple of 16. Which keys a row reads (a chain's first ctx + j + 1, a tree node's context
-// and ancestors) changes only the addresses: the arithmetic is one sequence over the keys in order,
-// so a tree node's row has the bits of the chain row that has its path as history.
-template <typename T, typename Key>
-void attend_one(const float* q, const T* K, const T* V, int64_t ks, int64_t len, int64_t d, float scale,
-                float* scores, float* out, Key key) {
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < len; ++i) {
-    simd::F16 acc = simd::zero_f();
-    const T* k = K + key(i) * ks;
-    for (int64_t c = 0; c < d; c += 16) acc = simd::fmadd(simd::load_f(q + c), simd::load_f(k + c), acc);
-    const float s = simd::reduce_add(acc) * scale;
-    scores[i] = s;
-    mx = std::max(mx, s);
-  }
-  // each score's exp on its own (the C library's expf), summed in key order
-  float total = 0.0f;
-  for (int64_t t = 0; t < len; ++t) scores[t] = std::exp(scores[t] - mx);
-  for (int64_t t = 0; t < len; ++t) total += scores[t];
-  const float inv = 1.0f / total;
-  simd::F16 o[MAX_HEAD_DIM / 16];
-  for (int64_t c = 0; c < d; c += 16) o[c / 16] = simd::zero_f();
-  for (int64_t t = 0; t < len; ++t) {
-    const simd::F16 p = simd::set1_f(scores[t]);
-    const T* v = V + key(t) * ks;
-    for (int64_t c = 0; c < d; c += 16) o[c / 16] = simd::fmadd(p, simd::load_f(v + c), o[c / 16]);
-  }
-  for (int64_t c = 0; c < d; c += 16) simd::store_f(out + c, simd::mul(o[c / 16], simd::set1_f(inv)));
-}
-
-// rows j = 0..m-1 of Q (and heads h) each over len(j) keys, key(j, i) the i-th of them
-template <typename T, typename Len, typename Key>
-void attend_rows(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H,
-                 int64_t Hkv, int64_t d, int64_t ctx, float scale, Len len, Key key) {
-  const int64_t group = H / Hkv;
-#pragma omp parallel
-  {
-    std::vector<float> scores(ctx + m + 16);
-    // (row, head) pairs dealt out one at a time in turn: row j reads ctx + j + 1 keys, so halves in
-    // order gave a prompt's pass (ctx 0) one thread three times the other's work (the 1.5B's
-    // 810-token prompt, Intel Xeon, 2 threads: 45.6 -> 29.8 ms a layer; decoding rows: the same)
-#pragma omp for schedule(static, 1) collapse(2)
-    for (int64_t j = 0; j < m; ++j)
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t kvh = h / group;
-        attend_one(Q + (j * H + h) * d, K + kvh * hs, V + kvh * hs, ks, len(j), d, scale, scores.data(),
-                   O + (j * H + h) * d, [&](int64_t i) { return key(j, i); });
-      }
-  }
-}
-
-// a chain: row j over keys 0..ctx+j
-template <typename T>
-void chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
-           int64_t d, int64_t ctx, float scale) {
-  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return ctx + j + 1; },
-              [](int64_t, int64_t i) { return i; });
-}
-
-// a tree: row j over keys 0..base-1, then base + path[start[j]] .. base + path[start[j + 1] - 1]
-// (its ancestors among the tree's keys past base and itself, root first); the new rows' own keys
-// are at ctx = base + hidden, after the hidden nodes an earlier pass wrote (a draft that grows its
-// tree a level a pass)
-template <typename T>
-void tree(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H, int64_t Hkv,
-          int64_t d, int64_t ctx, int64_t hidden, const int64_t* start, const int64_t* path, float scale) {
-  const int64_t base = ctx - hidden;
-  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return base + start[j + 1] - start[j]; },
-              [=](int64_t j, int64_t i) { return i < base ? i : base + path[start[j] + i - base]; });
-}
-
-}  // namespace
 
 namespace {
 
@@ -100,7 +15,7 @@ std::array<int64_t, 4> check(const torch::Tensor& q, const torch::Tensor& keys, 
   TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
   TORCH_CHECK(keys.scalar_type() == torch::kFloat32 || keys.scalar_type() == torch::kBFloat16, "keys float32 or bfloat16");
   const int64_t m = q.size(0), H = q.size(1), d = q.size(2), Hkv = keys.size(0);
-  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && keys.size(2) == d && keys.stride(2) == 1, "head_dim a multiple of 16, at most 256, contiguous");
+  TORCH_CHECK(d % 16 == 0 && keys.size(2) == d && keys.stride(2) == 1, "head_dim a multiple of 16, contiguous");
   TORCH_CHECK(H % Hkv == 0 && keys.size(1) >= ctx + m, "heads a multiple of kv heads; the cache holds ctx + m keys");
   return {m, H, d, Hkv};
 }
@@ -134,7 +49,7 @@ void attend_chain_into(const torch::Tensor& q, const torch::Tensor& keys, const 
                        const torch::Tensor& out) {
   const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
   with_dtype(q, keys, values, out, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
-    chain(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, static_cast<float>(scale));
+    qd::attend_chain(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, static_cast<float>(scale));
   });
 }
 
@@ -168,7 +83,7 @@ void attend_tree_into(const torch::Tensor& q, const torch::Tensor& keys, const t
     TORCH_CHECK(a[s[j + 1] - 1] == hidden + j, "row ", j, "'s path ends at itself");
   }
   with_dtype(q, keys, values, out, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
-    tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, hidden, s, a, static_cast<float>(scale));
+    qd::attend_tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, hidden, s, a, static_cast<float>(scale));
   });
 }
 

@@ -15,6 +15,7 @@ inline namespace avx2 {  // each ISA's names its own: several ISAs' builds may m
 constexpr const char* ISA = "avx2";
 constexpr bool FULL_U8 = false;
 
+constexpr int F16_REGS = 8;  // F16 values the registers hold: 16 ymm
 struct F16 { __m256 lo, hi; };
 struct I16 { __m256i lo, hi; };
 struct B64 { __m256i lo, hi; };
@@ -54,6 +55,12 @@ inline float reduce_add(F16 a) {  // simd.h's tree: i + 8, then i + 4, i + 2, i 
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
+// lane t = reduce_add(a[t]): sixteen reductions at once
+inline F16 reduce_add16(const F16* a) {
+  alignas(64) float s[16];
+  for (int t = 0; t < 16; ++t) s[t] = reduce_add(a[t]);
+  return load_f(s);
+}
 inline float reduce_max(F16 a) {
   const __m256 s8 = _mm256_max_ps(a.lo, a.hi);
   const __m128 s4 = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -82,6 +89,11 @@ inline I16 add_i(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_ad
 inline F16 to_f(I16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline I16 round_i(F16 a) {  // the default rounding mode: to nearest, half to even
   return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)};
+}
+inline F16 pow2_f(I16 n) {
+  const __m256i bias = _mm256_set1_epi32(127);
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n.lo, bias), 23)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n.hi, bias), 23))};
 }
 inline void store_i8(int8_t* p, I16 a) {  // values within int8: the saturating packs keep them
   const __m256i w = _mm256_packs_epi32(a.lo, a.hi);  // lanes 0-3 8-11 | 4-7 12-15

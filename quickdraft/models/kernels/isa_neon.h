@@ -14,6 +14,7 @@ inline namespace neon {  // each ISA's names its own: several ISAs' builds may m
 constexpr const char* ISA = "neon";
 constexpr bool FULL_U8 = false;
 
+constexpr int F16_REGS = 8;  // F16 values the registers hold: 32 q registers
 struct F16 { float32x4_t q[4]; };
 struct I16 { int32x4_t q[4]; };
 struct B64 { uint8x16_t q[4]; };
@@ -52,6 +53,12 @@ inline float reduce_add(F16 a) {  // simd.h's tree: i + 8, i + 4, i + 2, i + 1
   const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
   return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
 }
+// lane t = reduce_add(a[t]): sixteen reductions at once
+inline F16 reduce_add16(const F16* a) {
+  alignas(64) float s[16];
+  for (int t = 0; t < 16; ++t) s[t] = reduce_add(a[t]);
+  return load_f(s);
+}
 inline float reduce_max(F16 a) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.q[0], a.q[1]), vmaxq_f32(a.q[2], a.q[3]))); }
 inline F16 half_to_f(const uint8_t* p) {
   F16 r;
@@ -75,6 +82,7 @@ inline I16 load_i(const int32_t* p) { I16 r; QD_QUADS(i) r.q[i] = vld1q_s32(p + 
 inline I16 add_i(I16 a, I16 b) { QD_QUADS(i) a.q[i] = vaddq_s32(a.q[i], b.q[i]); return a; }
 inline F16 to_f(I16 a) { F16 r; QD_QUADS(i) r.q[i] = vcvtq_f32_s32(a.q[i]); return r; }
 inline I16 round_i(F16 a) { I16 r; QD_QUADS(i) r.q[i] = vcvtnq_s32_f32(a.q[i]); return r; }  // to nearest, ties to even
+inline F16 pow2_f(I16 n) { F16 r; QD_QUADS(i) r.q[i] = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n.q[i], vdupq_n_s32(127)), 23)); return r; }
 inline void store_i8(int8_t* p, I16 a) {
   const int16x8_t lo = vcombine_s16(vmovn_s32(a.q[0]), vmovn_s32(a.q[1])), hi = vcombine_s16(vmovn_s32(a.q[2]), vmovn_s32(a.q[3]));
   vst1q_s8(p, vcombine_s8(vmovn_s16(lo), vmovn_s16(hi)));

@@ -12,6 +12,7 @@ inline namespace portable {  // each ISA's names its own: several ISAs' builds m
 constexpr const char* ISA = "portable";
 constexpr bool FULL_U8 = true;  // plain integer products: exact for every byte
 
+constexpr int F16_REGS = 8;  // F16 values a kernel keeps at once (as AVX2's)
 struct F16 { float v[16]; };
 struct I16 { int32_t v[16]; };
 struct B64 { uint8_t v[64]; };
@@ -37,6 +38,12 @@ inline float reduce_add(F16 a) {  // simd.h's tree
   for (int h = 8; h >= 1; h /= 2)
     for (int i = 0; i < h; ++i) a.v[i] = a.v[i] + a.v[i + h];
   return a.v[0];
+}
+// lane t = reduce_add(a[t]): sixteen reductions at once
+inline F16 reduce_add16(const F16* a) {
+  alignas(64) float s[16];
+  for (int t = 0; t < 16; ++t) s[t] = reduce_add(a[t]);
+  return load_f(s);
 }
 inline float reduce_max(F16 a) { return *std::max_element(a.v, a.v + 16); }
 inline float half(uint16_t h) {  // IEEE binary16 -> float32, exactly
@@ -73,6 +80,14 @@ inline I16 load_i(const int32_t* p) { I16 r; std::memcpy(r.v, p, sizeof r.v); re
 inline I16 add_i(I16 a, I16 b) { QD_LANES(i) a.v[i] += b.v[i]; return a; }
 inline F16 to_f(I16 a) { F16 r; QD_LANES(i) r.v[i] = static_cast<float>(a.v[i]); return r; }
 inline I16 round_i(F16 a) { I16 r; QD_LANES(i) r.v[i] = static_cast<int32_t>(std::nearbyint(a.v[i])); return r; }
+inline F16 pow2_f(I16 n) {
+  F16 r;
+  QD_LANES(i) {
+    const uint32_t u = static_cast<uint32_t>(n.v[i] + 127) << 23;
+    std::memcpy(&r.v[i], &u, 4);
+  }
+  return r;
+}
 inline void store_i8(int8_t* p, I16 a) { QD_LANES(i) p[i] = static_cast<int8_t>(a.v[i]); }
 inline int32_t reduce_add_i(I16 a) { int32_t s = 0; QD_LANES(i) s += a.v[i]; return s; }
 

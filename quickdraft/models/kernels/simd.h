@@ -8,11 +8,14 @@
 // - every lane operation is the IEEE operation on that lane alone (fmadd and fnmadd fused,
 //   exactly one rounding), so a lane's bits do not depend on the ISA;
 // - reduce_add is one fixed tree: lanes i and i + 8, then i and i + 4, i + 2, i + 1 (what
-//   _mm512_reduce_add_ps does), on every ISA;
+//   _mm512_reduce_add_ps does), on every ISA; reduce_add16 is that tree for 16 vectors at once;
 // - the integer dots are exact: dot_us(acc, u, s) adds to lane l the sum of its 4 byte products
 //   u8 x s8 for every u8 when FULL_U8 is true, and for u8 <= 127 otherwise (AVX2's vpmaddubsw
 //   saturates past that: callers with wider unsigned values use dot_ss, ggml's sign trick);
 //   dot_ss(acc, a, b) is exact for signed a, and b in -127..127.
+// - pow2_f(n) is 2^n exactly for n in -126..127 (n + 127 shifted into the exponent field);
+// - exp_neg (below) is written with these lane operations only, so its bits too are the same on
+//   every ISA;
 // - dot_bf16 is the one operation whose rounding is the ISA's own (AVX512-BF16's vdpbf16ps
 //   against two FMAs elsewhere): a bfloat16 linear's bits differ across ISAs, and within one
 //   ISA they are still one fixed sequence per output.
@@ -76,3 +79,32 @@ constexpr int ROW_BLOCK = 8;  // rows of x a weight tile is applied to at once (
 }  // namespace QD_ISA_NS
 }  // namespace simd
 #endif
+
+namespace simd {
+inline namespace QD_ISA_NS {
+
+// e^x lane by lane for x <= 0 (softmax's exponents, the row's max subtracted), from lane
+// operations only, so the same bits on every ISA: x = n ln 2 + r, |r| <= ln 2 / 2, with
+// n = round(x log2 e) and r by Cody and Waite's two-part ln 2; e^r by Cephes' expf polynomial;
+// then times 2^n. Within 2 ulp of the C library's expf (tests/native/kernels_test.cpp). x is
+// clamped to -87 first, so that 2^n stays a normal float: e^-87 ~ 1.6e-38 stands for any smaller
+// value, a weight no sum of softmax terms (the largest is 1) can tell from 0. max's operands in
+// this order keep a NaN a NaN on every ISA (x86's max returns its second operand where one is NaN).
+inline F16 exp_neg(F16 x) {
+  x = max(set1_f(-87.0f), x);
+  const I16 n = round_i(mul(x, set1_f(1.44269504088896341f)));
+  const F16 nf = to_f(n);
+  F16 r = fnmadd(nf, set1_f(0.693359375f), x);  // ln 2's first 9 bits: nf times it is exact
+  r = fnmadd(nf, set1_f(-2.12194440e-4f), r);
+  F16 p = set1_f(1.9875691500e-4f);
+  p = fmadd(p, r, set1_f(1.3981999507e-3f));
+  p = fmadd(p, r, set1_f(8.3334519073e-3f));
+  p = fmadd(p, r, set1_f(4.1665795894e-2f));
+  p = fmadd(p, r, set1_f(1.6666665459e-1f));
+  p = fmadd(p, r, set1_f(5.0000001201e-1f));
+  const F16 e = add(fmadd(p, mul(r, r), r), set1_f(1.0f));  // 1 + r + r^2 p(r)
+  return mul(e, pow2_f(n));
+}
+
+}  // namespace QD_ISA_NS
+}  // namespace simd
