@@ -55,12 +55,6 @@ inline float reduce_add(F16 a) {  // simd.h's tree: i + 8, then i + 4, i + 2, i 
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-// lane t = reduce_add(a[t]): sixteen reductions at once
-inline F16 reduce_add16(const F16* a) {
-  alignas(64) float s[16];
-  for (int t = 0; t < 16; ++t) s[t] = reduce_add(a[t]);
-  return load_f(s);
-}
 inline float reduce_max(F16 a) {
   const __m256 s8 = _mm256_max_ps(a.lo, a.hi);
   const __m128 s4 = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));

@@ -45,6 +45,7 @@ inline F16 fnmadd(F16 a, F16 b, F16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)
 inline float reduce_add(F16 a) { return _mm512_reduce_add_ps(a.v); }
 // lane t = reduce_add(a[t]), simd.h's tree for each, sixteen at a time: each level adds two
 // vectors' halves at once (vshuff32x4, then vshufps), ~45 instructions for 16 sums instead of ~130
+#define QD_ISA_OWN_REDUCE16 1  // simd.h's reduce_add16 a vector at a time; AVX-512 transposes instead
 inline F16 reduce_add16(const F16* a) {
   __m512 l1[8], l2[4], l3[2];
   // a[] in the order that leaves lane t with a[t] at the end: level 4 interleaves 4 x 4 (below)

@@ -53,12 +53,6 @@ inline float reduce_add(F16 a) {  // simd.h's tree: i + 8, i + 4, i + 2, i + 1
   const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
   return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
 }
-// lane t = reduce_add(a[t]): sixteen reductions at once
-inline F16 reduce_add16(const F16* a) {
-  alignas(64) float s[16];
-  for (int t = 0; t < 16; ++t) s[t] = reduce_add(a[t]);
-  return load_f(s);
-}
 inline float reduce_max(F16 a) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.q[0], a.q[1]), vmaxq_f32(a.q[2], a.q[3]))); }
 inline F16 half_to_f(const uint8_t* p) {
   F16 r;

@@ -39,12 +39,6 @@ inline float reduce_add(F16 a) {  // simd.h's tree
     for (int i = 0; i < h; ++i) a.v[i] = a.v[i] + a.v[i + h];
   return a.v[0];
 }
-// lane t = reduce_add(a[t]): sixteen reductions at once
-inline F16 reduce_add16(const F16* a) {
-  alignas(64) float s[16];
-  for (int t = 0; t < 16; ++t) s[t] = reduce_add(a[t]);
-  return load_f(s);
-}
 inline float reduce_max(F16 a) { return *std::max_element(a.v, a.v + 16); }
 inline float half(uint16_t h) {  // IEEE binary16 -> float32, exactly
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;

@@ -83,10 +83,19 @@ constexpr int ROW_BLOCK = 8;  // rows of x a weight tile is applied to at once (
 namespace simd {
 inline namespace QD_ISA_NS {
 
+#if !defined(QD_ISA_OWN_REDUCE16)
+// lane t = reduce_add(a[t]): sixteen reductions at once, one at a time (isa_avx512.h has its own)
+inline F16 reduce_add16(const F16* a) {
+  alignas(64) float s[16];
+  for (int t = 0; t < 16; ++t) s[t] = reduce_add(a[t]);
+  return load_f(s);
+}
+#endif
+
 // e^x lane by lane for x <= 0 (softmax's exponents, the row's max subtracted), from lane
 // operations only, so the same bits on every ISA: x = n ln 2 + r, |r| <= ln 2 / 2, with
 // n = round(x log2 e) and r by Cody and Waite's two-part ln 2; e^r by Cephes' expf polynomial;
-// then times 2^n. Within 2 ulp of the C library's expf (tests/native/kernels_test.cpp). x is
+// then times 2^n. Within 2 ulp of e^x (tests/native/kernels_test.cpp). x is
 // clamped to -87 first, so that 2^n stays a normal float: e^-87 ~ 1.6e-38 stands for any smaller
 // value, a weight no sum of softmax terms (the largest is 1) can tell from 0. max's operands in
 // this order keep a NaN a NaN on every ISA (x86's max returns its second operand where one is NaN).
