@@ -120,6 +120,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = False, shortha
                         "--dtype being the activations'; none: dequantize them to --dtype; auto (default): gguf "
                         "where quickdraft's CPU kernels run (see `quickdraft check`), else none")
     p.add_argument("--max-model-len", type=int, default=None)
+    add_switch(p, "--enforce-eager",
+               help="on a CUDA device, run every pass eagerly: no CUDA graphs for the decoding passes "
+                    "(they take a little memory and a capture on each new shape; default: off)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: one per physical core this process may run on); "
                         "OpenMP threads spin while they wait, or wait passively where the cores are busy already "

@@ -247,11 +247,16 @@ class EngineConfig:
     # says where: the CPU paths): a key computed in any pass equals the one a prompt pass computes.
     # Where it is not (cuBLAS), a reused key may differ from a recomputed one in rounding, as in vLLM.
     enable_prefix_caching: bool = True
+    # On a CUDA device the regular decoding passes replay CUDA graphs (models/decoder/graphs.py);
+    # True runs every pass eagerly (vLLM's flag).
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
                               "enable_prefix_caching")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}", "enforce_eager")
         if self.quantization not in (None, "none", "gguf", "auto"):
             raise ConfigError(f'quantization must be "auto", "gguf", "none" or null, got {self.quantization!r}', "quantization")
         if self.dtype not in DTYPES:

@@ -15,14 +15,21 @@ from quickdraft.models.config import ModelConfig
 
 
 class KVCache:
-    """keys[layer], values[layer]: [num_slots, num_kv_heads, max_len, head_dim]."""
+    """keys[layer], values[layer]: [num_slots (+ 1 spare), num_kv_heads, max_len, head_dim]."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device="cpu"):
-        shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device="cpu",
+                 spare_slot: bool | None = None):
+        """``spare_slot``: one slot more than ``num_slots``, held by no sequence, where a CUDA graph's
+        padding rows write their keys and values (models/decoder/graphs.py); None: on CUDA only."""
+        if spare_slot is None:
+            spare_slot = torch.device(device).type == "cuda"
+        shape = (num_slots + int(spare_slot), config.num_kv_heads, max_len, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.num_slots = num_slots
+        self.spare_slot = num_slots if spare_slot else None
         self.max_len = max_len
+        self.graphs: dict = {}  # the CUDA graphs captured over this cache, by model and shape (graphs.py)
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -21,7 +21,7 @@ class LLM:
     def __init__(self, model: "str | LoadedModel", speculative_config: "dict | str | SpeculativeConfig | None" = None,
                  dtype: str = "bfloat16", device: str = "cpu", max_model_len: int | None = None,
                  max_num_seqs: int = 8, quantization: str | None = "auto", enable_prefix_caching: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, enforce_eager: bool = False):
         """``threads``: CPU threads for torch and the kernels, process-wide (default: torch's, one per
         physical core this process may run on; see engine/threads.py)."""
         if threads is not None:
@@ -30,7 +30,7 @@ class LLM:
         config = EngineConfig(
             model=name, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_queue=1 << 30, speculative=SpeculativeConfig.parse(speculative_config), quantization=quantization,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
         )
         self.engine = Engine(config, target=None if isinstance(model, str) else model)
         self.tokenizer = self.engine.tokenizer

@@ -34,7 +34,8 @@ def generate(args) -> int:
         args.model_positional = model[0]
         resolve_model_args(args)
     llm = LLM(args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, max_num_seqs=1, quantization=args.quantization)
+              max_model_len=args.max_model_len, max_num_seqs=1, quantization=args.quantization,
+              enforce_eager=args.enforce_eager)
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     with llm:

@@ -68,7 +68,7 @@ def profile(args) -> int:
     if any(b < 1 for b in batches) or any(not 0 < a < 1 for a in alphas):
         raise ConfigError("batch sizes must be >= 1 and acceptance rates in (0, 1)")
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                          max_model_len=args.max_model_len or 512, max_num_seqs=1,
+                          max_model_len=args.max_model_len or 512, max_num_seqs=1, enforce_eager=args.enforce_eager,
                           speculative=dataclasses.replace(spec, adaptive=True))
     engine = Engine(config)
     target, draft = engine.runner.target_cost, engine.proposer.cost

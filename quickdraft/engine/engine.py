@@ -45,7 +45,7 @@ class Engine:
         load = functools.partial(load_model, dtype=dtype, device=config.device, quantization=quantization)
         self.model = target if target is not None else load(config.model)
         self.tokenizer = self.model.tokenizer
-        self.decoder = Decoder(self.model.config, self.model.weights)
+        self.decoder = Decoder(self.model.config, self.model.weights, cuda_graphs=not config.enforce_eager)
         ctx_len = self.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(ctx_len, DEFAULT_MAX_MODEL_LEN), ctx_len)
         self.kv = KVCache(self.model.config, config.max_num_seqs, self.max_model_len, dtype, config.device)
@@ -53,7 +53,7 @@ class Engine:
             target=self.model, dtype=dtype, device=config.device, num_slots=config.max_num_seqs,
             max_model_len=self.max_model_len,
             load_model=lambda m, device=config.device, **kw: m if isinstance(m, LoadedModel) else load(m, device=device, **kw),
-            decoder=self.decoder, kv=self.kv,
+            decoder=self.decoder, kv=self.kv, cuda_graphs=not config.enforce_eager,
         )
         self.proposer = create_proposer(config.speculative, ctx)
         spec = config.speculative

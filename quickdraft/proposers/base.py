@@ -83,6 +83,7 @@ class ProposerContext:
     # the target's decoder and KV cache, for a proposer that drafts with the target itself (layer_skip)
     decoder: "Decoder | None" = None
     kv: "KVCache | None" = None
+    cuda_graphs: bool = True  # a draft decoder on CUDA replays graphs of its passes (models/decoder/graphs.py)
 
 
 class Proposer(Protocol):

@@ -74,7 +74,7 @@ class DraftModelProposer:
 
             return TextDraftProposer.from_config(spec, ctx)
         draft, config, weights, quantize, head_ids = load_draft(spec, ctx, check_vocabulary=True)
-        return cls(Decoder(config, weights, quantize=quantize), ctx.num_slots, ctx.max_model_len,
+        return cls(Decoder(config, weights, quantize=quantize, cuda_graphs=ctx.cuda_graphs), ctx.num_slots, ctx.max_model_len,
                    spec.draft_confidence_threshold, calibrate_cost=spec.adaptive, head_ids=head_ids,
                    num_branches=spec.num_branches)
 

@@ -69,7 +69,7 @@ class TextDraftProposer:
                               f"({ctx.target.source if ctx.target.tokenizer is None else draft.source} has none)",
                               "cross_tokenizer")
         max_len = min(ctx.max_model_len * DRAFT_LEN_FACTOR, draft.config.max_position_embeddings)
-        return cls(Decoder(config, weights, quantize=quantize), Bridge(ctx.target.tokenizer, draft.tokenizer),
+        return cls(Decoder(config, weights, quantize=quantize, cuda_graphs=ctx.cuda_graphs), Bridge(ctx.target.tokenizer, draft.tokenizer),
                    ctx.num_slots, max_len, spec.draft_confidence_threshold, calibrate_cost=spec.adaptive,
                    head_ids=head_ids)
 

@@ -133,7 +133,8 @@ def build_engine(args, own_thread: bool):
     spec = speculative_config(args)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, speculative=spec,
-                          quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching)
+                          quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching,
+                          enforce_eager=args.enforce_eager)
     engine = Engine(config)
     names = args.served_model_name or [args.model]
     k = spec.num_speculative_tokens if spec.enabled else 0

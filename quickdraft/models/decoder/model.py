@@ -10,7 +10,8 @@ only the rows a verifier needs pay for the large output projection.
 
 A pass runs its layers one of two ways, with the same bits: in Python (reference.py, the readable
 path, one kernel call an operation), or on a CPU with the kernels in C++ (native.py: the whole
-pass in one call). Batch invariance (ARCHITECTURE.md point 11): see ops.py for the projections
+pass in one call). On a CUDA device the regular decoding passes replay CUDA graphs (graphs.py).
+Batch invariance (ARCHITECTURE.md point 11): see ops.py for the projections
 and reference.py for attention.
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import ModelConfig
+from quickdraft.models.decoder.graphs import CudaGraphs
 from quickdraft.models.decoder.metadata import AttentionMetadata, pass_trees
 from quickdraft.models.decoder.native import NativeLayers
 from quickdraft.models.decoder.ops import Rotary, linear, nbytes, rms_norm
@@ -38,9 +40,11 @@ EMBED_CACHE_ROWS = 4096  # embedding rows a Decoder on GGUF blocks keeps dequant
 class Decoder(ReferenceLayers):
     """The target (or draft) model. ``weights`` uses Hugging Face names (ModelConfig.weight_names)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], quantize: str | None = None):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], quantize: str | None = None,
+                 cuda_graphs: bool = True):
         """``quantize="int8"``: int8 projections, one scale per weight row, activations quantized
-        per row in the kernel (for a draft model; see quant.py)."""
+        per row in the kernel (for a draft model; see quant.py). ``cuda_graphs``: on a CUDA device,
+        the regular decoding passes replay CUDA graphs (graphs.py); False runs every pass eagerly."""
         missing = [n for n in config.weight_names() if n not in weights]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
@@ -63,6 +67,8 @@ class Decoder(ReferenceLayers):
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings, self.device)
         self.scale = config.head_dim**-0.5
         self.native = NativeLayers.of(self)  # None where the kernels do not run the layers
+        dense = all(isinstance(t, torch.Tensor) for t in self.w.values())
+        self.graphs = CudaGraphs(self) if cuda_graphs and dense and self.device.type == "cuda" else None
         self._embed_cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()  # _embed_blocks
 
     @property
@@ -106,12 +112,16 @@ class Decoder(ReferenceLayers):
         prompt takes the Python layers), the pass is one native call; with skipped sublayers, a
         layer with both kept is one native call, a layer with one kept the Python block (the same
         kernels, one call each). The bits are the same every way."""
+        layers = num_layers if num_layers is not None else self.num_layers
+        if self.graphs is not None and not capture and not skip_attention and not skip_mlp:
+            hidden = self.graphs.forward(tokens, positions, kv, meta, layers)
+            if hidden is not None:
+                return hidden
         embed = self.w["model.embed_tokens.weight"]
         if isinstance(embed, BlockWeight):
             x = self._embed_blocks(embed, tokens)  # [num_tokens, hidden]
         else:
             x = embed[tokens]  # [num_tokens, hidden]
-        layers = num_layers if num_layers is not None else self.num_layers
         missing = [i for i in capture if not 0 <= i < layers]
         if missing:
             raise ValueError(f"cannot capture the states entering layers {missing}: the pass ran {layers} layers")

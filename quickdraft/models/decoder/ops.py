@@ -49,6 +49,8 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | BlockWeight", b
     kernel = dense_linear(x.dtype, x.device) if x.dtype == weight.dtype and weight.is_contiguous() else None
     if kernel is not None:
         return kernel(x, weight, bias)
+    if x.device.type != "cpu":  # cuBLAS picks its kernel by shape: padding would buy nothing
+        return F.linear(x, weight, bias)
     xp, n = _pad_rows(x)
     return F.linear(xp, weight, bias)[:n]
 
@@ -65,6 +67,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         kernels = rowwise()
         if kernels is not None:
             return kernels.rms_norm(x, weight, eps)
+    if x.device.type != "cpu":  # one fused kernel on a GPU instead of five
+        return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -80,14 +84,18 @@ class Rotary:
         self.cos = angles.cos().float().to(device)
         self.sin = angles.sin().float().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, 1, head_dim] at ``positions`` [n]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, angles: tuple | None = None) -> torch.Tensor:
         """x [n, heads, head_dim], positions [n] -> rotated x (computed in float32; on the CPU in
-        one call, kernels/rowwise.cpp)."""
+        one call, kernels/rowwise.cpp). ``angles``: ``self.angles(positions)`` where the caller
+        has them (a pass's layers share them)."""
         kernels = rowwise() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
         if kernels is not None:
             return kernels.rotary(x, self.cos, self.sin, positions)
-        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = angles if angles is not None else self.angles(positions)
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)

@@ -31,19 +31,28 @@ class ReferenceLayers:
     ``scale`` from the Decoder)."""
 
     def _block(self, layer, x, positions, kv, meta, attention: bool = True, mlp: bool = True) -> torch.Tensor:
-        c, p = self.config, f"model.layers.{layer}."
-        w = self.w
         if attention:
             x = self._attention_sublayer(layer, x, positions, kv, meta)
-        if not mlp:
-            return x
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        return self._mlp_sublayer(layer, x) if mlp else x
+
+    def _mlp_sublayer(self, layer, x) -> torch.Tensor:
+        """x + the layer's SwiGLU MLP of x."""
+        p, w = f"model.layers.{layer}.", self.w
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], self.config.rms_norm_eps)
         gate = linear(h, w[p + "mlp.gate_proj.weight"])
         up = linear(h, w[p + "mlp.up_proj.weight"])
         return x + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
 
     def _attention_sublayer(self, layer, x, positions, kv, meta) -> torch.Tensor:
         """x + the layer's attention over x (its keys and values written to ``kv`` on the way)."""
+        q, k, v = self._qkv(layer, x, positions)
+        attn = self._attention(layer, q, k, v, kv, meta)  # [n, heads * head_dim]
+        return x + linear(attn, self.w[f"model.layers.{layer}.self_attn.o_proj.weight"])
+
+    def _qkv(self, layer, x, positions, angles=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's queries [n, heads, d] and keys [n, kv_heads, d], rotated to their
+        positions (``angles``: Rotary.angles of them, where the caller has them), and values
+        [n, kv_heads, d]."""
         c, p = self.config, f"model.layers.{layer}."
         w = self.w
         h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
@@ -51,11 +60,9 @@ class ReferenceLayers:
         k = linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
         v = linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
         n = x.shape[0]
-        q = self.rotary.apply(q.view(n, c.num_heads, c.head_dim), positions)
-        k = self.rotary.apply(k.view(n, c.num_kv_heads, c.head_dim), positions)
-        v = v.view(n, c.num_kv_heads, c.head_dim)
-        attn = self._attention(layer, q, k, v, kv, meta)  # [n, heads * head_dim]
-        return x + linear(attn, w[p + "self_attn.o_proj.weight"])
+        q = self.rotary.apply(q.view(n, c.num_heads, c.head_dim), positions, angles)
+        k = self.rotary.apply(k.view(n, c.num_kv_heads, c.head_dim), positions, angles)
+        return q, k, v.view(n, c.num_kv_heads, c.head_dim)
 
     def _attention(self, layer, q, k, v, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q [n, heads, d], k/v [n, kv_heads, d] -> [n, heads * d]. One sequence at a time.
