@@ -2,9 +2,9 @@
 kernel launches.
 
 On a GPU a small model's decoding pass is bound by launching kernels, not by reading its weights:
-the eager path launches about twenty kernels a layer (norms, projections, rotary, the cache write,
-attention, the MLP), each a few microseconds of CPU time, while the GPU streams the 1.5B target's
-3 GB of weights in under a millisecond. A CUDA graph records the pass once and replays it with one
+a pass runs about fifty kernels a layer (norms, projections, rotary, the cache writes, attention,
+the MLP), each a few microseconds of CPU time to launch, while an H200 streams the 1.5B target's
+2.6 GB of layer weights in about 0.6 ms. A CUDA graph records the pass once and replays it with one
 launch (vLLM's CUDA graph runner, gpt-fast's ``torch.compile(mode="reduce-overhead")``).
 
 A graph has fixed shapes and addresses, so the passes it takes are the regular ones: every
@@ -32,8 +32,8 @@ the plain output up to near-ties (``Decoder.batch_invariance``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
