@@ -3,9 +3,15 @@ or is not, the target). Real weights are used everywhere else."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 
 from quickdraft.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from quickdraft.models.loader import LoadedModel
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2,
@@ -50,3 +56,25 @@ def _fan_in(c: ModelConfig, name: str) -> int:
     if "embed_tokens" in name or name.endswith("bias"):
         return 1
     return _shape(c, name)[-1]
+
+
+def never_agreeing(model: "LoadedModel", name: str = "never") -> "LoadedModel":
+    """``model`` with an untied output head whose rows are its embedding's rotated by one: its
+    greedy token is always another than the model's own, so as a draft of ``model`` its first
+    draft token is always rejected."""
+    from quickdraft.models.loader import LoadedModel
+
+    w = dict(model.weights)
+    w["lm_head.weight"] = torch.roll(w["model.embed_tokens.weight"], shifts=1, dims=0)
+    return LoadedModel(dataclasses.replace(model.config, tie_word_embeddings=False), w, model.tokenizer, name)
+
+
+def perturbed(model: "LoadedModel", noise: float, seed: int, name: str = "noisy") -> "LoadedModel":
+    """``model`` with Gaussian noise of ``noise`` times each matrix's spread added to every
+    matrix: a draft that agrees with ``model`` some of the time."""
+    from quickdraft.models.loader import LoadedModel
+
+    g = torch.Generator().manual_seed(seed)
+    w = {k: v + noise * v.std() * torch.randn(v.shape, generator=g).to(v) if v.ndim == 2 else v
+         for k, v in model.weights.items()}
+    return LoadedModel(model.config, w, model.tokenizer, name)

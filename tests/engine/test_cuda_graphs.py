@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.decoder.graphs import CudaGraphs, batch_bucket, keys_bucket, static_pass
 from quickdraft.models.loader import LoadedModel
-from quickdraft.models.tiny import random_weights, tiny_config
+from quickdraft.models.tiny import never_agreeing, perturbed, random_weights, tiny_config
 from quickdraft.sampling import SamplingParams
 
 CONFIG = tiny_config("qwen2", vocab_size=96, hidden_size=64, num_layers=2)
@@ -124,13 +123,8 @@ def _engine(spec: dict | None, eager: bool, max_num_seqs: int = 4) -> Engine:
 
 
 def _drafts() -> dict[str, LoadedModel]:
-    never = dataclasses.replace(CONFIG, tie_word_embeddings=False)
-    derange = dict(WEIGHTS, **{"lm_head.weight": torch.roll(WEIGHTS["model.embed_tokens.weight"], 1, 0)})
-    g = torch.Generator().manual_seed(3)
-    noisy = {k: v + 0.6 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in WEIGHTS.items()}
-    return {"always": LoadedModel(CONFIG, _on("cuda"), None, "tiny-always"),
-            "never": LoadedModel(never, _on("cuda", derange), None, "tiny-never"),
-            "between": LoadedModel(CONFIG, _on("cuda", noisy), None, "tiny-between")}
+    target = LoadedModel(CONFIG, _on("cuda"), None, "tiny-always")
+    return {"always": target, "never": never_agreeing(target), "between": perturbed(target, 0.6, seed=3)}
 
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47, 1, 2, 3], [7]]

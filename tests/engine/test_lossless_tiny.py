@@ -5,17 +5,15 @@ invariant (models/decoder/), so a verification pass rounds exactly like single-t
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
-import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.cost import TRUSTED_PASSES, LinearCost
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
 from quickdraft.models.loader import LoadedModel
-from quickdraft.models.tiny import random_weights, tiny_config
+from quickdraft.models.tiny import never_agreeing, perturbed, random_weights, tiny_config
 from quickdraft.sampling import SamplingParams
 
 CONFIG = tiny_config("qwen2", vocab_size=96, hidden_size=64, num_layers=2)
@@ -23,22 +21,7 @@ TARGET = LoadedModel(CONFIG, random_weights(CONFIG, seed=1, scale=2.0), None, "t
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47, 1, 2, 3], [7]]
 
 
-def _derange_head(model: LoadedModel) -> LoadedModel:
-    """The target with an untied output head whose rows are rotated by one: the draft's argmax is
-    always the target's argmax + 1, so its first draft token is always rejected."""
-    w = dict(model.weights)
-    cfg = dataclasses.replace(model.config, tie_word_embeddings=False)
-    w["lm_head.weight"] = torch.roll(model.weights["model.embed_tokens.weight"], shifts=1, dims=0)
-    return LoadedModel(cfg, w, None, "tiny-never")
-
-
-def _noisy(model: LoadedModel, noise: float, seed: int) -> LoadedModel:
-    g = torch.Generator().manual_seed(seed)
-    w = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in model.weights.items()}
-    return LoadedModel(model.config, w, None, "tiny-noisy")
-
-
-DRAFTS = {"always": TARGET, "never": _derange_head(TARGET), "between": _noisy(TARGET, 0.6, seed=3)}
+DRAFTS = {"always": TARGET, "never": never_agreeing(TARGET), "between": perturbed(TARGET, 0.6, seed=3)}
 
 
 class FrozenCost(LinearCost):

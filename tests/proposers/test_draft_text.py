@@ -6,7 +6,6 @@ batch, with the prefix cache on and off. bfloat16 is exact: the decoder is batch
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ import torch
 from quickdraft import LLM, SamplingParams
 from quickdraft.config import SpeculativeConfig
 from quickdraft.errors import ConfigError
-from quickdraft.models.loader import LoadedModel, load_model
+from quickdraft.models.loader import load_model
+from quickdraft.models.tiny import never_agreeing
 from quickdraft.proposers.retokenize import Bridge, common_prefix, complete_len
 
 
@@ -135,19 +135,12 @@ def spec(draft, k=4):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return load_model(str(smollm2_path), torch.bfloat16, quantization=None)  # dense: never() rolls its head
+    return load_model(str(smollm2_path), torch.bfloat16, quantization=None)  # dense: never_agreeing() rolls its head
 
 
 @pytest.fixture(scope="module")
 def qwen05(qwen05_path):
     return load_model(str(qwen05_path), torch.bfloat16)
-
-
-def never(model: LoadedModel) -> LoadedModel:
-    """The model with its output head's rows rotated by one: its greedy token is never its own."""
-    w = dict(model.weights)
-    w["lm_head.weight"] = torch.roll(w["model.embed_tokens.weight"], shifts=1, dims=0)
-    return LoadedModel(dataclasses.replace(model.config, tie_word_embeddings=False), w, model.tokenizer, "never")
 
 
 def generate(target, spec_=None, prompts=PROMPTS, **kw):
@@ -173,7 +166,7 @@ def test_the_target_as_its_own_draft_through_text(smollm2, plain_smollm2):
 @pytest.mark.slow
 def test_a_draft_that_never_agrees(smollm2, plain_smollm2):
     plain = plain_smollm2
-    outs, stats = generate(smollm2, spec(never(smollm2)))
+    outs, stats = generate(smollm2, spec(never_agreeing(smollm2)))
     assert outs == plain
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.1
 

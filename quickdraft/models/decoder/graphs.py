@@ -10,7 +10,8 @@ launch (vLLM's CUDA graph runner, gpt-fast's ``torch.compile(mode="reduce-overhe
 A graph has fixed shapes and addresses, so the passes it takes are the regular ones: every
 sequence of the pass feeds the same number ``q`` of new tokens as a causal chain (plain decoding's
 one token, a draft model's passes, the verification of chains with equal K), ``q`` at most
-``MAX_GRAPH_ROWS``. Prompts, token trees, mixed K and layer skipping run eagerly. A graph is
+``MAX_GRAPH_ROWS``. Prompts, token trees, mixed K, layer skipping and passes that capture hidden
+states (EAGLE-3) run eagerly. A graph is
 keyed by its shape:
 
 - the sequences, padded up to the next of ``BATCH_BUCKETS``; a padding row writes its keys to the

@@ -111,7 +111,9 @@ class Decoder(ReferenceLayers):
         Where the kernels run the layers (``native``) and no row is past ``MAX_ROW_BY_ROW`` (a long
         prompt takes the Python layers), the pass is one native call; with skipped sublayers, a
         layer with both kept is one native call, a layer with one kept the Python block (the same
-        kernels, one call each). The bits are the same every way."""
+        kernels, one call each). The bits are the same every way. On a CUDA device a regular pass
+        (graphs.py: every sequence a chain of the same length, nothing captured or skipped) replays
+        a CUDA graph instead, with the rounding of its padded shape."""
         layers = num_layers if num_layers is not None else self.num_layers
         if self.graphs is not None and not capture and not skip_attention and not skip_mlp:
             hidden = self.graphs.forward(tokens, positions, kv, meta, layers)

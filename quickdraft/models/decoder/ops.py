@@ -6,8 +6,8 @@ Batch invariance (ARCHITECTURE.md point 11): the projections take quickdraft's o
 set they are built for (kernels/simd.h: AVX-512, AVX2, NEON and a portable one). torch's matmul is
 not: on an AMD EPYC its float32 tail rows (1..3 past a multiple of four) take another kernel, and
 on an Intel Xeon with AMX every float32 row count from 13 up does; so the torch fallback pads rows
-to a multiple of ``ROW_MULTIPLE``, which helps on some CPUs, and ``Decoder.batch_invariance`` says
-it promises nothing. Norms and rotary are per row.
+to a multiple of ``ROW_MULTIPLE`` on a CPU, which helps on some CPUs (cuBLAS gets them unpadded),
+and ``Decoder.batch_invariance`` says it promises nothing. Norms and rotary are per row.
 """
 
 from __future__ import annotations
