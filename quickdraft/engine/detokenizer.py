@@ -67,15 +67,17 @@ class IncrementalDetokenizer:
 
     def _commit(self, tail: str, window: str, n: int) -> None:
         """Commit ``tail``, the text of ids[read:n]. The window moves on to start at ``read``
-        where those tokens decode alone to some text that ends ``tail`` (sentencepiece strips the
-        first space of a decode): where they decode to nothing, the window's prefix text would be
-        empty, and the check in ``update`` could not see a change reach back into it."""
+        where those tokens decode alone to some text, which need not equal ``tail``
+        (sentencepiece strips the first space of a decode; WordPiece keeps a first piece's "##"):
+        later windows start with the same tokens, so they start with the same text. Where they
+        decode to nothing, the window's prefix text would be empty, and the check in ``update``
+        could not see a change reach back into it: the window keeps its start."""
         self._committed += tail
         self._pending = ""
         start, self._read = self._read, n
         alone = self._decode(self._ids[start:n])
         self.decoded_tokens += n - start
-        if alone and tail.endswith(alone):
+        if alone:
             self._prefix, self._prefix_text = start, alone
         else:
             self._prefix_text = window

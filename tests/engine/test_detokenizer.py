@@ -122,9 +122,11 @@ def test_decoders_that_look_across_tokens(build):
 @pytest.mark.parametrize("build", [_sentencepiece_like, _wordpiece])
 def test_the_window_stays_short(build):
     """Token by token over 2,000 words, each update decodes a few tokens, never the whole output
-    (the window moves on after each commit, also where a decoder strips a space)."""
+    (the window moves on after each commit, also where a decoder strips a space or a run of
+    "##" pieces decodes differently without the word it continues)."""
     tok = build()
-    words = [i for t, i in tok.get_vocab().items() if not t.startswith(("<", "[")) and t != "▁"]
+    # sorted: get_vocab's order changes from process to process
+    words = sorted(i for t, i in tok.get_vocab().items() if not t.startswith(("<", "[")) and t != "▁")
     rng = random.Random(3)
     out: list[int] = []
     detok = IncrementalDetokenizer(out, lambda ids: tok.decode(list(ids)))
@@ -134,4 +136,4 @@ def test_the_window_stays_short(build):
         before = detok.decoded_tokens
         detok.update()
         most = max(most, detok.decoded_tokens - before)
-    assert detok.text == tok.decode(out) and most <= 8
+    assert detok.text == tok.decode(out) and most <= 4
