@@ -121,6 +121,7 @@ class Engine:
         if self.threads is not None:
             self.threads.update()
         self._reuse_prefixes()
+        self._draft_reads_prompts(seqs)
         results = self.runner.step(seqs, self._num_draft(seqs), self._forced_room(seqs))
         return [self._postprocess(r) for r in results]
 
@@ -135,6 +136,23 @@ class Engine:
             if n < placed.num_tokens:
                 seq.num_cached = seq.num_reused = n
                 self.prefix_cache.shorten(placed, n)
+
+    def _draft_reads_prompts(self, seqs: list[Sequence]) -> None:
+        """A proposer with its own model (``read_prompt``) reads each prompt in the step the target
+        does, as vLLM's draft model does: the draft's prompt pass then counts in the time to first
+        token, like the target's, instead of delaying the second token by a prefill of the draft
+        (with the 0.5B draft on a 2-core AMD EPYC, 1.1 s for a 126-token prompt). Not where the
+        request takes no drafts or the batch has turned speculation off; a prompt read in vain
+        (the plan then drafts nothing for it) costs a draft prefill, which the draft would
+        otherwise read at its first draft."""
+        read = getattr(self.proposer, "read_prompt", None)
+        spec = self.config.speculative
+        if read is None or not spec.enabled or (spec.disable_by_batch_size is not None
+                                                 and len(seqs) >= spec.disable_by_batch_size):
+            return
+        prompts = [s for s in seqs if s.num_pending > 1 and self.draft_cap(s.params) > 0]
+        if prompts:
+            read(prompts)
 
     def draft_cap(self, params: SamplingParams) -> int:
         """The most draft tokens a step a request with ``params`` may take: the engine's K, or

@@ -115,6 +115,10 @@ class Proposer(Protocol):
     def close(self) -> None:
         """The engine is shutting down: write what must outlive the process (suffix's cache)."""
 
+    # Optional, for proposers with a model of their own (draft_model): ``read_prompt(seqs)``, called
+    # in the step of each sequence's prompt pass, before the target's, to read the prompt tokens
+    # it has not seen (engine._draft_reads_prompts).
+    #
     # Optional, for proposers that draft from the target's own states (EAGLE-3, Medusa): a class
     # attribute ``reads_target`` = the target layers whose entering states it needs (an empty
     # tuple: the final hidden state only), and ``read_target(seqs, final, states)``, called after

@@ -221,6 +221,14 @@ class DraftModelProposer:
             self.kv.keep_path(s.slot, tree.base, fed)
             self._cached[s.slot] = tree.base + len(fed)
 
+    def read_prompt(self, seqs) -> None:
+        """Read the prompt tokens of ``seqs`` (on their prompt pass) that the draft has not seen,
+        in one pass (engine._draft_reads_prompts): the first decoding step then drafts from one row."""
+        feeds = [s.token_ids[self._cached[s.slot] :] for s in seqs]
+        todo = [i for i, f in enumerate(feeds) if f]
+        if todo:
+            self._forward([seqs[i] for i in todo], [feeds[i] for i in todo])
+
     def catchup_rows(self, seq) -> int:
         # after a draft with no rejection, or steps without drafting, the draft is behind by more than 1
         return max(len(seq) - self._cached[seq.slot] - 1, 0)

@@ -68,6 +68,45 @@ def test_a_step_is_its_phases_and_one_commit():
     assert seq.spec.num_emitted_tokens == 1 + 4
 
 
+def test_the_draft_reads_the_prompt_in_the_prompts_step(monkeypatch):
+    """A draft model reads each prompt in the step the target does (engine._draft_reads_prompts),
+    so that the first decoding step drafts from one row, not from the whole prompt; a request
+    that takes no drafts leaves the draft unread. The output is plain decoding's either way."""
+    import quickdraft.proposers.draft_model as draft_model
+
+    fed: list[list[int]] = []
+    traced = draft_model.draft_pass
+
+    def draft_pass(model, kv, slots, cached, feeds):
+        fed.append([len(f) for f in feeds])
+        return traced(model, kv, slots, cached, feeds)
+
+    monkeypatch.setattr(draft_model, "draft_pass", draft_pass)
+    engine = _engine({"method": "draft_model", "model": TARGET, "num_speculative_tokens": 3, "adaptive": False,
+                      "quantization": None})
+    prompts = [[5, 17, 33, 2, 9, 40, 41], [7, 8, 9]]
+    drafted = engine.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request(prompts[1], SamplingParams(max_tokens=12, temperature=0, num_speculative_tokens=0))
+    engine.step()  # the prompts' pass
+    assert fed == [[7]]  # one draft pass: the first prompt, whole; the second not read
+    first, second = engine.scheduler.running
+    assert engine.proposer.catchup_rows(first) == 0
+    fed.clear()
+    engine.step()
+    assert fed[0] == [1]  # the first draft pass of decoding reads the token the prompt's pass chose
+    outs = {o.request_id: o.token_ids for o in _run(engine)}
+    plain = _engine(None)
+    plain.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0))
+    assert outs[drafted] == _run(plain)[0].token_ids and len(outs) == 2
+
+
+def _run(engine) -> list:
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    return done
+
+
 def test_a_nan_logit_ends_its_request_with_an_error():
     engine = _engine(None)
     forward = engine.runner._forward
