@@ -28,6 +28,7 @@ def summarize(out, spec) -> dict:
         "text": out.text, "token_ids": out.token_ids, "num_prompt_tokens": len(out.prompt_token_ids),
         "num_generated_tokens": n, "finish_reason": out.finish_reason, "seconds": seconds,
         "tokens_per_second": (n - 1) / seconds if n > 1 and seconds > 0 else 0.0,
+        "ttft_s": out.first_token_time - out.arrival_time if out.first_token_time is not None else None,
         "spec": {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens if spec.enabled else 0,
                  **stats},
     }
