@@ -141,7 +141,7 @@ class Engine:
         """A proposer with its own model (``read_prompt``) reads each prompt in the step the target
         does, as vLLM's draft model does: the draft's prompt pass then counts in the time to first
         token, like the target's, instead of delaying the second token by a prefill of the draft
-        (with the 0.5B draft on a 2-core AMD EPYC, 1.1 s for a 126-token prompt). Not where the
+        (the 0.5B draft took 1.1 s to read 126 tokens on a 2-core AMD EPYC Zen 1). Not where the
         request takes no drafts or the batch has turned speculation off; a prompt read in vain
         (the plan then drafts nothing for it) costs a draft prefill, which the draft would
         otherwise read at its first draft."""

@@ -89,8 +89,7 @@ def test_the_draft_reads_the_prompt_in_the_prompts_step(monkeypatch):
     engine.add_request(prompts[1], SamplingParams(max_tokens=12, temperature=0, num_speculative_tokens=0))
     engine.step()  # the prompts' pass
     assert fed == [[7]]  # one draft pass: the first prompt, whole; the second not read
-    first, second = engine.scheduler.running
-    assert engine.proposer.catchup_rows(first) == 0
+    assert engine.proposer.catchup_rows(engine.scheduler.running[0]) == 0
     fed.clear()
     engine.step()
     assert fed[0] == [1]  # the first draft pass of decoding reads the token the prompt's pass chose
