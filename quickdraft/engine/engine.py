@@ -146,13 +146,16 @@ class Engine:
         (the plan then drafts nothing for it) costs a draft prefill, which the draft would
         otherwise read at its first draft."""
         read = getattr(self.proposer, "read_prompt", None)
-        spec = self.config.speculative
-        if read is None or not spec.enabled or (spec.disable_by_batch_size is not None
-                                                 and len(seqs) >= spec.disable_by_batch_size):
+        if read is None or not self._speculating(seqs):
             return
         prompts = [s for s in seqs if s.num_pending > 1 and self.draft_cap(s.params) > 0]
         if prompts:
             read(prompts)
+
+    def _speculating(self, seqs: list[Sequence]) -> bool:
+        """Speculation is on, and this step's batch has not reached ``disable_by_batch_size``."""
+        spec = self.config.speculative
+        return spec.enabled and (spec.disable_by_batch_size is None or len(seqs) < spec.disable_by_batch_size)
 
     def draft_cap(self, params: SamplingParams) -> int:
         """The most draft tokens a step a request with ``params`` may take: the engine's K, or
@@ -165,7 +168,7 @@ class Engine:
         none when the batch has reached ``disable_by_batch_size``, and with ``adaptive`` as many
         as pay for themselves (quickdraft/cost.py)."""
         spec = self.config.speculative
-        if not spec.enabled or (spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size):
+        if not self._speculating(seqs):
             return [0] * len(seqs)
         rooms = [min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s)) for s in seqs]
         caps = [0 if s.num_pending != 1 else max(0, min(self.draft_cap(s.params), room - 1))

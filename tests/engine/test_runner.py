@@ -93,17 +93,11 @@ def test_the_draft_reads_the_prompt_in_the_prompts_step(monkeypatch):
     fed.clear()
     engine.step()
     assert fed[0] == [1]  # the first draft pass of decoding reads the token the prompt's pass chose
-    outs = {o.request_id: o.token_ids for o in _run(engine)}
-    plain = _engine(None)
-    plain.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0))
-    assert outs[drafted] == _run(plain)[0].token_ids and len(outs) == 2
-
-
-def _run(engine) -> list:
-    done = []
+    outs = {}
     while engine.has_unfinished():
-        done += [o for o in engine.step() if o.finished]
-    return done
+        outs |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    plain = _engine(None).generate_ids([prompts[0]], [SamplingParams(max_tokens=12, temperature=0)])[0]
+    assert outs[drafted] == plain.token_ids and len(outs) == 2
 
 
 def test_a_nan_logit_ends_its_request_with_an_error():
