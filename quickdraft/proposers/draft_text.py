@@ -115,6 +115,23 @@ class TextDraftProposer:
         flat = [t for d in out for t in d]
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in out], None)
 
+    def read_prompt(self, seqs) -> None:
+        """Read each prompt's draft tokens in the step the target reads the prompt
+        (engine._draft_reads_prompts), in one pass, all but the view's last: its logits start the
+        first draft, and the target's next token may tokenize the text's tail anew (the view
+        then keeps the keys of the common prefix, as at every proposal)."""
+        todo = []
+        for s in seqs:
+            view = self.views[s.slot]
+            self.bridge.follow(view, s.token_ids)
+            if len(view.kv) < len(view.ids) - 1 and len(view.ids) <= self.max_len:
+                todo.append((s.slot, view, view.ids[len(view.kv) : len(view.ids) - 1]))
+        if todo:
+            draft_pass(self.model, self.kv, [slot for slot, _, _ in todo], [len(view.kv) for _, view, _ in todo],
+                       [feed for _, _, feed in todo])
+            for _, view, feed in todo:
+                view.kv += feed
+
     def observe(self, seqs, outcome) -> None:
         pass  # the view follows the committed tokens at the next proposal, and cuts its stale keys then
 
