@@ -26,6 +26,12 @@ The kernels give a row the same bits whatever the thread count (each output is o
 it changes no output; it is off where the layers do not run on the kernels, and where the user
 chose the count (``--threads``, ``OMP_NUM_THREADS``).
 
+In a container with a CPU limit (Kubernetes' ``limits.cpu``, ``docker run --cpus``), the process
+may run on all the node's cores (its affinity) but for only the limit's worth of CPU time (its
+control group's quota): threads beyond the limit take turns on it, and a parallel region waits for
+the last of them. So the default count is the affinity's cores or the quota's whole CPUs,
+whichever is fewer (``usable_cpus``), as Go's runtime and the JVM read the quota (``cpu_quota``).
+
 Terms: the *wait policy* is ``OMP_WAIT_POLICY`` (passive: sleep at once); libgomp reads it once,
 when it is loaded (with ``import torch``), so ``passive_waits`` must be around that import. The
 *thread count* is torch's intra-op threads (``torch.set_num_threads``), which the kernels' parallel
@@ -39,11 +45,77 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from quickdraft.errors import ConfigError
 
 # the variables a user sets to choose libgomp's waits; any of them set leaves the choice to them
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def _affinity() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def cpu_quota(root: str | Path = "/sys/fs/cgroup", proc: str | Path = "/proc/self/cgroup") -> float | None:
+    """The CPUs' worth of time this process's control group and the groups above it allow, the
+    tightest of them (cgroup v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``),
+    or None: no limit, or no cgroups (another OS). In a container the group is usually the
+    mount's root (a cgroup namespace); a group path the mount does not show is skipped."""
+    root = Path(root)
+    text = _read(Path(proc))
+    if text is None:
+        return None
+    limits = []
+    for line in text.splitlines():
+        if line.count(":") < 2:
+            continue
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            mounts, files = [root], ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            mounts, files = [root / "cpu", root / controllers], ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        parts = [p for p in group.strip().split("/") if p]
+        for mount in mounts:
+            for depth in range(len(parts) + 1):
+                values = [_read(mount.joinpath(*parts[:depth], f)) for f in files]
+                if None in values:
+                    continue
+                quota, period = values[0].split()[:2] if len(files) == 1 else (values[0].strip(), values[1].strip())
+                try:
+                    q, p = float(quota), float(period)
+                except ValueError:  # "max": no limit here
+                    continue
+                if q > 0 and p > 0:  # v1 writes -1 for no limit
+                    limits.append(q / p)
+    return min(limits) if limits else None
+
+
+def usable_cpus() -> int:
+    """The cores this process can keep busy: its affinity's, or the whole CPUs of its control
+    group's quota where fewer (at least 1)."""
+    cpus, quota = _affinity(), cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, math.floor(quota)))
+
+
+def fit_to_quota() -> None:
+    """Torch's default thread count counts the node's cores; where the process's CPU quota allows
+    fewer, run on those (unless the user chose the count)."""
+    import torch
+
+    usable = usable_cpus()
+    if not _pinned and torch.get_num_threads() > usable:
+        torch.set_num_threads(usable)
 
 
 def busy(load: float | None = None, cpus: int | None = None) -> bool:
@@ -54,7 +126,7 @@ def busy(load: float | None = None, cpus: int | None = None) -> bool:
     except OSError:  # no load average on this OS
         return False
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = _affinity()
     return load >= max(1.0, cpus / 2)
 
 
@@ -116,7 +188,7 @@ class ThreadGovernor:
         from quickdraft.cost import cpu_sample, others_share
 
         self.torch = torch
-        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.cpus = _affinity()
         self.most = torch.get_num_threads()
         self.interval = max(interval, 1.0 / self.cpus)  # others_share needs a CPU second in all
         self.sample, self.share = sample or cpu_sample, share or others_share

@@ -14,6 +14,7 @@ import torch
 
 from quickdraft import LLM
 from quickdraft.commands import cli, generate as generate_command
+from quickdraft.engine import threads
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
 
@@ -139,3 +140,60 @@ def test_an_engine_on_the_kernels_has_the_processs_governor():
         assert llm.engine.threads is None  # no kernels here: torch's own operations keep their count
     else:
         assert llm.engine.threads is threads.governor()
+
+
+def control_groups(tmp_path, proc_cgroup: str, files: dict[str, str]):
+    """A cgroup mount under tmp_path holding ``files`` (path: text), and /proc/self/cgroup's text."""
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(proc_cgroup)
+    return root, proc
+
+
+V1_DOCKER = "12:memory:/docker/x\n4:cpu,cpuacct:/docker/x\n1:name=systemd:/docker/x\n"
+
+
+@pytest.mark.parametrize("proc_cgroup, files, want", [
+    # v2 in a container: a cgroup namespace shows the container's group as the mount's root
+    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    # v2 from the host: the tightest of the group and the groups above it
+    ("0::/kubepods/pod1/c1\n", {"cpu.max": "max 100000\n", "kubepods/cpu.max": "400000 100000\n",
+                                "kubepods/pod1/c1/cpu.max": "150000 100000\n"}, 1.5),
+    ("0::/kubepods/pod1/c1\n", {"kubepods/cpu.max": "400000 100000\n", "kubepods/pod1/c1/cpu.max": "max 100000\n"}, 4.0),
+    # a group the mount does not show (no cgroup namespace): the mount's root is read
+    ("0::/system.slice/x.scope\n", {"cpu.max": "300000 100000\n"}, 3.0),
+    # v1: the cpu controller's own hierarchy (mounted as cpu,cpuacct, or cpu); -1 is no limit
+    (V1_DOCKER, {"cpu,cpuacct/docker/x/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ("4:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("", {}, None),
+])
+def test_the_cpu_quota_of_the_processs_control_group(tmp_path, proc_cgroup, files, want):
+    assert threads.cpu_quota(*control_groups(tmp_path, proc_cgroup, files)) == want
+
+
+def test_no_cgroups_is_no_quota(tmp_path):
+    assert threads.cpu_quota(tmp_path / "no-mount", tmp_path / "no-proc-file") is None
+
+
+@pytest.mark.parametrize("quota, want", [(None, 2), (8.0, 2), (2.0, 2), (1.5, 1), (0.25, 1)])
+def test_the_default_thread_count_fits_a_cpu_quota(monkeypatch, restore_threads, quota, want):
+    """On 2 cores: torch's default counts the cores, a container's CPU limit may allow fewer."""
+    monkeypatch.setattr(threads, "_affinity", lambda: 2)
+    monkeypatch.setattr(threads, "cpu_quota", lambda: quota)
+    monkeypatch.setattr(threads, "_pinned", False)
+    torch.set_num_threads(2)
+    assert threads.usable_cpus() == want
+    threads.fit_to_quota()
+    assert torch.get_num_threads() == want and openmp_threads() == want
+
+
+def test_a_chosen_thread_count_is_kept_under_a_quota(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads, "cpu_quota", lambda: 1.0)
+    monkeypatch.setattr(threads, "_pinned", True)  # --threads, LLM(threads=...) or $OMP_NUM_THREADS
+    torch.set_num_threads(2)
+    threads.fit_to_quota()
+    assert torch.get_num_threads() == 2
