@@ -145,3 +145,21 @@ def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
     monkeypatch.setattr(kernels, "_module", lambda: None)
+
+
+@pytest.fixture
+def trace_draft_passes(monkeypatch: pytest.MonkeyPatch):
+    """trace(module) -> a list that gets, for every later ``draft_pass`` of ``module`` (a proposer's,
+    proposers/draft_load.py), the number of tokens each sequence fed it."""
+    def trace(module) -> list[list[int]]:
+        fed: list[list[int]] = []
+        traced = module.draft_pass
+
+        def draft_pass(model, kv, slots, cached, feeds):
+            fed.append([len(f) for f in feeds])
+            return traced(model, kv, slots, cached, feeds)
+
+        monkeypatch.setattr(module, "draft_pass", draft_pass)
+        return fed
+
+    return trace

@@ -89,16 +89,20 @@ def cpu_quota(root: str | Path = "/sys/fs/cgroup", proc: str | Path = "/proc/sel
         for mount in mounts:
             for depth in range(len(parts) + 1):
                 values = [_read(mount.joinpath(*parts[:depth], f)) for f in files]
-                if None in values:
-                    continue
-                quota, period = values[0].split()[:2] if len(files) == 1 else (values[0].strip(), values[1].strip())
-                try:
-                    q, p = float(quota), float(period)
-                except ValueError:  # "max": no limit here
-                    continue
-                if q > 0 and p > 0:  # v1 writes -1 for no limit
-                    limits.append(q / p)
+                if None not in values and (limit := _limit(values)) is not None:
+                    limits.append(limit)
     return min(limits) if limits else None
+
+
+def _limit(values: list[str]) -> float | None:
+    """One group's CPUs of quota from its files' text (v2: "quota period"; v1: the quota, then
+    the period), None where it sets no limit (v2 "max", v1 -1) or the text is not numbers."""
+    try:
+        quota, period = values[0].split() if len(values) == 1 else (values[0], values[1])
+        q, p = float(quota), float(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
 
 
 def usable_cpus() -> int:

@@ -68,20 +68,13 @@ def test_a_step_is_its_phases_and_one_commit():
     assert seq.spec.num_emitted_tokens == 1 + 4
 
 
-def test_the_draft_reads_the_prompt_in_the_prompts_step(monkeypatch):
+def test_the_draft_reads_the_prompt_in_the_prompts_step(trace_draft_passes):
     """A draft model reads each prompt in the step the target does (engine._draft_reads_prompts),
     so that the first decoding step drafts from one row, not from the whole prompt; a request
     that takes no drafts leaves the draft unread. The output is plain decoding's either way."""
     import quickdraft.proposers.draft_model as draft_model
 
-    fed: list[list[int]] = []
-    traced = draft_model.draft_pass
-
-    def draft_pass(model, kv, slots, cached, feeds):
-        fed.append([len(f) for f in feeds])
-        return traced(model, kv, slots, cached, feeds)
-
-    monkeypatch.setattr(draft_model, "draft_pass", draft_pass)
+    fed = trace_draft_passes(draft_model)
     engine = _engine({"method": "draft_model", "model": TARGET, "num_speculative_tokens": 3, "adaptive": False,
                       "quantization": None})
     prompts = [[5, 17, 33, 2, 9, 40, 41], [7, 8, 9]]

@@ -169,6 +169,7 @@ V1_DOCKER = "12:memory:/docker/x\n4:cpu,cpuacct:/docker/x\n1:name=systemd:/docke
     # v1: the cpu controller's own hierarchy (mounted as cpu,cpuacct, or cpu); -1 is no limit
     (V1_DOCKER, {"cpu,cpuacct/docker/x/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n"}, 0.5),
     ("4:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("0::/\n", {"cpu.max": "garbage\n"}, None),
     ("", {}, None),
 ])
 def test_the_cpu_quota_of_the_processs_control_group(tmp_path, proc_cgroup, files, want):

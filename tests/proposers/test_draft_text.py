@@ -164,20 +164,13 @@ def test_the_target_as_its_own_draft_through_text(smollm2, plain_smollm2):
 
 
 @pytest.mark.slow
-def test_the_draft_reads_the_prompt_in_the_prompts_step(smollm2, plain_smollm2, monkeypatch):
+def test_the_draft_reads_the_prompt_in_the_prompts_step(smollm2, plain_smollm2, trace_draft_passes):
     """As proposers/draft_model.py does: the draft reads its tokenization of each prompt in the
     prompt's step (engine._draft_reads_prompts), so that the first decoding step's draft pass
     reads a few tokens, not the whole prompt again; the output is still plain decoding's."""
     import quickdraft.proposers.draft_text as draft_text
 
-    fed: list[list[int]] = []
-    traced = draft_text.draft_pass
-
-    def draft_pass(model, kv, slots, cached, feeds):
-        fed.append([len(f) for f in feeds])
-        return traced(model, kv, slots, cached, feeds)
-
-    monkeypatch.setattr(draft_text, "draft_pass", draft_pass)
+    fed = trace_draft_passes(draft_text)
     engine = LLM(smollm2, speculative_config=spec(smollm2), dtype="bfloat16", max_num_seqs=4).engine
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     ids = [engine.add_request(p, PARAMS) for p in prompts]
