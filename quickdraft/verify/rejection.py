@@ -101,7 +101,7 @@ def verify(
     _check_shapes(draft_token_ids, len(num_draft_tokens), sum(num_draft_tokens), target_logits, draft_probs, sampling,
                   uniforms)
     if bool(sampling.greedy.all()):
-        return _greedy_walk(draft_token_ids, num_draft_tokens, target_logits)
+        return greedy_walk(draft_token_ids, num_draft_tokens, target_logits)
     device = target_logits.device
     layout = _Layout.build(num_draft_tokens, device)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
@@ -118,7 +118,7 @@ def verify(
     return _to_lists(draft_token_ids, layout, _num_accepted(accepted, layout), final)
 
 
-def _greedy_walk(draft_token_ids: Tensor, num_draft_tokens: list[int], target_logits: Tensor) -> VerifyOutput:
+def greedy_walk(draft_token_ids: Tensor, num_draft_tokens: list[int], target_logits: Tensor) -> VerifyOutput:
     """An all-greedy batch: _greedy_step's rule on lists, one argmax and one host transfer for
     the batch (the ragged layout's dozen small tensors cost more than the walk, plain decoding's
     one row above all)."""
