@@ -46,20 +46,23 @@ def test_check_passes(capsys, smollm2_path, dtype, method):
 @pytest.mark.slow
 def test_a_broken_verifier_fails(capsys, smollm2_path, monkeypatch):
     """A verifier that, after a rejection, accepts every draft token anyway: check exits 1 and
-    names the position where the speculative output leaves plain decoding."""
-    real = runner.verify
+    names the position where the speculative output leaves plain decoding. Broken in both of the
+    runner's chain verifiers: ``verify``, and ``greedy_walk``, which all-greedy batches go to."""
 
-    def accepts_everything(draft_token_ids, num_tokens, *rest):
-        out = real(draft_token_ids, num_tokens, *rest)
-        drafts, start = draft_token_ids.tolist(), 0
-        for i, k in enumerate(num_tokens):
-            if k and out.num_accepted[i] < k:
-                out.token_ids[i] = drafts[start : start + k] + out.token_ids[i][-1:]
-                out.num_accepted[i] = k
-            start += k
-        return out
+    def accepts_everything(real):
+        def broken(draft_token_ids, num_tokens, *rest):
+            out = real(draft_token_ids, num_tokens, *rest)
+            drafts, start = draft_token_ids.tolist(), 0
+            for i, k in enumerate(num_tokens):
+                if k and out.num_accepted[i] < k:
+                    out.token_ids[i] = drafts[start : start + k] + out.token_ids[i][-1:]
+                    out.num_accepted[i] = k
+                start += k
+            return out
+        return broken
 
-    monkeypatch.setattr(runner, "verify", accepts_everything)
+    monkeypatch.setattr(runner, "verify", accepts_everything(runner.verify))
+    monkeypatch.setattr(runner, "greedy_walk", accepts_everything(runner.greedy_walk))
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     code, r = _check(capsys, smollm2_path, "float32", spec, "--num-prompts", "3", "--max-tokens", "24",
                      "--num-seeds", "32", "--num-sampled-prompts", "1", "--sample-tokens", "6")
