@@ -115,8 +115,6 @@ def test_the_governor_changes_torchs_and_the_kernels_threads(monkeypatch, restor
     """Fed other processes' shares of the machine, it sets the count for torch and for the
     kernels' OpenMP regions alike, looks no more often than its interval, and leaves a count the
     user chose alone."""
-    from quickdraft.engine import threads
-
     monkeypatch.setattr(threads, "_pinned", False)
     torch.set_num_threads(2)
     shares = iter([0.4, 0.02, 0.4])  # others: 0.8 of the 2 cores, then none, then 0.8 again
@@ -132,8 +130,6 @@ def test_the_governor_changes_torchs_and_the_kernels_threads(monkeypatch, restor
 
 
 def test_an_engine_on_the_kernels_has_the_processs_governor():
-    from quickdraft.engine import threads
-
     config = tiny_config("qwen2", vocab_size=64, hidden_size=32, num_layers=1)
     llm = LLM(LoadedModel(config, random_weights(config, seed=0), None, "tiny"), dtype="float32")
     if llm.engine.decoder.native is None:
