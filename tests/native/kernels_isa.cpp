@@ -1,4 +1,4 @@
-// One instruction set's kernels (the cores on raw pointers: linear.h, blocks.h, attention.h) behind C names
+// One instruction set's kernels (the cores on raw pointers: linear.h, blocks.h, attention.h, rowwise.h) behind C names
 // prefixed by the ISA, so that kernels_test.cpp links several ISAs into one program and compares
 // them. Compiled once per ISA with -DQD_ISA_<NAME> -DQD_PREFIX=<name>.
 #include <cstring>
@@ -7,6 +7,7 @@
 #include "../../quickdraft/models/kernels/attention.h"
 #include "../../quickdraft/models/kernels/blocks.h"
 #include "../../quickdraft/models/kernels/linear.h"
+#include "../../quickdraft/models/kernels/rowwise.h"
 
 #define QD_CAT2(a, b) a##_##b
 #define QD_CAT(a, b) QD_CAT2(a, b)
@@ -135,6 +136,30 @@ void QD_NAME(attend)(int bf16, const float* Q, const void* K, const void* V, int
 // simd.h's exp_neg over x[0..n), n a multiple of 16
 void QD_NAME(exp_neg)(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) simd::store_f(y + i, simd::exp_neg(simd::load_f(x + i)));
+}
+
+// simd::store_bf16 over x[0..n), n a multiple of 16
+void QD_NAME(store_bf16)(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) simd::store_bf16(y + i, simd::load_f(x + i));
+}
+
+// rowwise.h on float32 (bf16 = 0) or bfloat16 values: op 0 RMSNorm of rows [n, h] (b: the weight
+// [h]), 1 a + b, 2 silu(a) * b, 3 a converted to the other dtype (y: float32 from bfloat16, or
+// bfloat16 from float32), over count = n * h values
+void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, int64_t n, int64_t h) {
+  auto run = [&](auto* A, auto* B, auto* Y) {
+    if (op == 0) qd::rms_rows(A, B, Y, n, h, 1e-6f);
+    if (op == 1) qd::add_values(A, B, Y, n * h);
+    if (op == 2) qd::silu_mul_values(A, B, Y, n * h);
+  };
+  if (op == 3) {
+    if (bf16) qd::convert_values(static_cast<const uint16_t*>(a), static_cast<float*>(y), n * h);
+    else qd::convert_values(static_cast<const float*>(a), static_cast<uint16_t*>(y), n * h);
+  } else if (bf16) {
+    run(static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), static_cast<uint16_t*>(y));
+  } else {
+    run(static_cast<const float*>(a), static_cast<const float*>(b), static_cast<float*>(y));
+  }
 }
 
 }  // extern "C"

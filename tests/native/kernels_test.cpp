@@ -1,8 +1,8 @@
 // The kernels' cores on one machine's instruction sets, without Python or torch (so that the ARM64
 // ones run under qemu-user on an x86 machine): each ISA's kernels give a row the same bits
 // whatever else is in the pass (1..MAX_ROWS rows), and the bits of the portable reference where
-// simd.h promises them (float32, int8 and GGUF-block linears, attention and its exp; bfloat16
-// except on AVX512-BF16).
+// simd.h promises them (float32, int8 and GGUF-block linears, attention and its exp, the
+// row-wise steps; bfloat16 linears except on AVX512-BF16).
 // Built and run by tests/models/test_native_kernels.py; prints one line per check, and
 // "N passed, N failed" last.
 #include <algorithm>
@@ -25,10 +25,13 @@
   extern "C" int64_t p##_tile_bytes(int, int64_t);                                                                        \
   extern "C" void p##_attend(int, const float*, const void*, const void*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, \
                              int64_t, int64_t, const int64_t*, const int64_t*, float);                                     \
-  extern "C" void p##_exp_neg(const float*, float*, int64_t);
+  extern "C" void p##_exp_neg(const float*, float*, int64_t);                                                              \
+  extern "C" void p##_store_bf16(const float*, uint16_t*, int64_t);                                                         \
+  extern "C" void p##_rowwise(int, int, const void*, const void*, void*, int64_t, int64_t);
 
-#define QD_TABLE(p) \
-  Kernels{#p, p##_linear_f32, p##_linear_bf16, p##_linear_w8, p##_linear_blocks, p##_sanitize, p##_tile_bytes, p##_attend, p##_exp_neg}
+#define QD_TABLE(p)                                                                                                      \
+  Kernels{#p,           p##_linear_f32, p##_linear_bf16, p##_linear_w8, p##_linear_blocks, p##_sanitize, p##_tile_bytes, \
+          p##_attend,   p##_exp_neg,    p##_store_bf16,  p##_rowwise}
 
 QD_DECLARE(portable)
 #if defined(__x86_64__)
@@ -51,6 +54,8 @@ struct Kernels {
   void (*attend)(int, const float*, const void*, const void*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
                  int64_t, const int64_t*, const int64_t*, float);
   void (*exp_neg)(const float*, float*, int64_t);
+  void (*store_bf16)(const float*, uint16_t*, int64_t);
+  void (*rowwise)(int, int, const void*, const void*, void*, int64_t, int64_t);
 };
 
 constexpr int64_t MAX_ROWS = 19;
@@ -178,6 +183,118 @@ void test_exp(const Kernels& k, const Kernels& ref) {
   check(ok, isa + " exp_neg: 1 at 0, tiny and positive below -87, NaN kept");
 }
 
+// float32 -> bfloat16 as torch rounds (to nearest even; a NaN -> 0x7fc0), written out bit by bit
+uint16_t torch_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0) return 0x7fc0;
+  const uint32_t rest = u & 0xffffu, top = u >> 16;
+  return static_cast<uint16_t>(rest > 0x8000u || (rest == 0x8000u && (top & 1)) ? top + 1 : top);
+}
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float widen(uint16_t h) { return from_bits(static_cast<uint32_t>(h) << 16); }
+
+// rowwise.h: store_bf16 rounds as torch on every bit pattern class (ties both ways, overflow to
+// infinity, NaNs of either sign, subnormals); RMSNorm, add, SiLU x up and the conversions give the
+// portable bits in float32 and bfloat16, with tails (200 and 203 values), and are close to the
+// exact values
+void test_rowwise(const Kernels& k, const Kernels& ref) {
+  const std::string isa = k.name;
+  std::mt19937 rng(13);
+  std::vector<float> x;
+  for (uint32_t u : {0x00000000u, 0x80000000u, 0x3f800000u, 0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f817fffu, 0x7f7fffffu,
+                     0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffffffffu, 0xff800001u, 0x00000001u,
+                     0x807fffffu, 0x00008000u, 0x00018000u})
+    x.push_back(from_bits(u));
+  while (x.size() % 16 || x.size() < (1 << 16)) x.push_back(from_bits(static_cast<uint32_t>(rng())));
+  std::vector<uint16_t> got(x.size());
+  k.store_bf16(x.data(), got.data(), static_cast<int64_t>(x.size()));
+  bool ok = true;
+  for (size_t i = 0; i < x.size(); ++i) ok = ok && got[i] == torch_bf16(x[i]);
+  check(ok, isa + " store_bf16 rounds as torch (ties, overflow, NaN, subnormals, random bits)");
+
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> wide(-80.0f, 80.0f);
+  for (int bf16 : {0, 1}) {
+    const std::string type = bf16 ? " bf16" : " f32";
+    for (int64_t h : {200, 896}) {
+      const int64_t n = 9;
+      std::vector<float> X(n * h), W(h);
+      for (auto& v : X) v = 3.0f * normal(rng);
+      for (auto& v : W) v = normal(rng);
+      std::vector<uint16_t> Xh(X.size()), Wh(W.size());
+      for (size_t i = 0; i < X.size(); ++i) X[i] = widen(Xh[i] = torch_bf16(X[i]));
+      for (size_t i = 0; i < W.size(); ++i) W[i] = widen(Wh[i] = torch_bf16(W[i]));
+      std::vector<float> y(X.size()), yr(X.size());
+      const void *a = bf16 ? static_cast<const void*>(Xh.data()) : X.data(), *b = bf16 ? static_cast<const void*>(Wh.data()) : W.data();
+      std::vector<uint16_t> yh(X.size()), yhr(X.size());
+      void *out = bf16 ? static_cast<void*>(yh.data()) : y.data(), *outr = bf16 ? static_cast<void*>(yhr.data()) : yr.data();
+      k.rowwise(0, bf16, a, b, out, n, h);
+      ref.rowwise(0, bf16, a, b, outr, n, h);
+      check(bf16 ? yh == yhr : y == yr, isa + type + " RMSNorm equals portable, h=" + std::to_string(h));
+      double worst = 0.0;
+      for (int64_t r = 0; r < n; ++r) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < h; ++i) ss += static_cast<double>(X[r * h + i]) * X[r * h + i];
+        const double inv = 1.0 / std::sqrt(ss / h + 1e-6);
+        for (int64_t i = 0; i < h; ++i) {
+          const double want = X[r * h + i] * inv * W[i], v = bf16 ? widen(yh[r * h + i]) : y[r * h + i];
+          worst = std::max(worst, std::abs(v - want) / (std::abs(want) + 1e-3));
+        }
+      }
+      check(worst < (bf16 ? 2e-2 : 1e-5), isa + type + " RMSNorm close to exact, h=" + std::to_string(h));
+    }
+    const int64_t count = 4096 + 203;
+    std::vector<float> A(count), B(count);
+    for (size_t i = 0; i < A.size(); ++i) A[i] = i % 3 ? wide(rng) : 4.0f * normal(rng);
+    for (auto& v : B) v = normal(rng);
+    A[7] = 0.0f, A[8] = -0.0f, A[9] = -200.0f, A[10] = 200.0f;
+    std::vector<uint16_t> Ah(count), Bh(count);
+    for (int64_t i = 0; i < count; ++i) A[i] = widen(Ah[i] = torch_bf16(A[i])), B[i] = widen(Bh[i] = torch_bf16(B[i]));
+    const void *a = bf16 ? static_cast<const void*>(Ah.data()) : A.data(), *b = bf16 ? static_cast<const void*>(Bh.data()) : B.data();
+    for (int op : {1, 2}) {
+      const std::string what = op == 1 ? " add" : " silu_mul";
+      std::vector<float> y(count), yr(count);
+      std::vector<uint16_t> yh(count), yhr(count);
+      k.rowwise(op, bf16, a, b, bf16 ? static_cast<void*>(yh.data()) : y.data(), 1, count);
+      ref.rowwise(op, bf16, a, b, bf16 ? static_cast<void*>(yhr.data()) : yr.data(), 1, count);
+      check(bf16 ? yh == yhr : y == yr, isa + type + what + " equals portable");
+      bool close = true;
+      for (int64_t i = 0; i < count; ++i) {
+        const double g = A[i], v = bf16 ? widen(yh[i]) : y[i];
+        if (op == 1) {
+          const float sum = A[i] + B[i];
+          close = close && (bf16 ? yh[i] == torch_bf16(sum) : y[i] == sum);
+        } else if (g >= -87.0) {  // below, the numerator's e^x stays at e^-87 (rowwise.h)
+          const double want = g / (1.0 + std::exp(-g)) * B[i];
+          close = close && std::abs(v - want) <= (bf16 ? 1.6e-2 : 4e-6) * std::abs(want) + 1e-30;
+        } else {
+          close = close && std::abs(v) < 1e-30;
+        }
+      }
+      check(close, isa + type + what + (op == 1 ? " rounds the float sum once" : " close to the exact product"));
+    }
+    std::vector<float> back(count);
+    std::vector<uint16_t> narrow(count);
+    if (bf16) {
+      k.rowwise(3, 1, Ah.data(), nullptr, back.data(), 1, count);
+      check(back == A, isa + " bf16 -> f32 conversion exact");
+    } else {
+      for (size_t i = 0; i < A.size(); ++i) A[i] += 1e-3f * normal(rng);  // bits below bfloat16's
+      k.rowwise(3, 0, A.data(), nullptr, narrow.data(), 1, count);
+      bool same = true;
+      for (int64_t i = 0; i < count; ++i) same = same && narrow[i] == torch_bf16(A[i]);
+      check(same, isa + " f32 -> bf16 conversion rounds as torch");
+    }
+  }
+}
+
 // attention.h: each chain row equals that row computed alone, a chain given as a tree is the
 // chain, each tree row equals the chain row of its history, and all of it has the portable bits;
 // for float32 and bfloat16 caches, and heads a KV head of 6 (Qwen2.5's) and 7 (every round size)
@@ -265,6 +382,7 @@ int main(int argc, char** argv) {
         test_isa(k, ref, variant != "bf16");  // "avx512+bf16": vdpbf16ps rounds its own way
         test_exp(k, ref);
         test_attention(k, ref);
+        test_rowwise(k, ref);
       }
   }
   std::printf("%d passed, %d failed\n", passed, failed);

@@ -32,9 +32,9 @@ from quickdraft.models.registry import cache_dir
 HERE = Path(__file__).parent
 SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "forward.cpp")  # compiled into one module
 # the walk (tiles.h), the entry points (entry.h), the vector layer and its instruction sets (simd.h,
-# isa_*.h), the cores on raw pointers (linear.h, blocks.h, attention.h) and AMX (amx_x86.h)
+# isa_*.h), the cores on raw pointers (linear.h, blocks.h, attention.h, rowwise.h) and AMX (amx_x86.h)
 HEADERS = ("tiles.h", "entry.h", "layer.h", "simd.h", "isa_avx512.h", "isa_avx2.h", "isa_neon.h", "isa_portable.h", "linear.h",
-           "blocks.h", "attention.h", "amx_x86.h")
+           "blocks.h", "attention.h", "rowwise.h", "amx_x86.h")
 
 
 @functools.cache

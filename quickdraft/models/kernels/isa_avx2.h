@@ -34,10 +34,17 @@ inline F16 load_f_part(const float* p, int n) {
   return load_f(t);
 }
 inline void store_f(float* p, F16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+// 8 float32 -> bfloat16 as simd.h's to_bf16 (to nearest even, NaN -> 0x7fc0), in the low 16 bits of each lane
+inline __m256i bf16_lanes(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+}
 inline void store_bf16(uint16_t* p, F16 a) {
-  alignas(32) float t[16];
-  store_f(t, a);
-  for (int i = 0; i < 16; ++i) p[i] = to_bf16(t[i]);
+  // packus takes 128-bit lanes in turn: lo's 0-3, hi's 0-3, lo's 4-7, hi's 4-7; the permute puts them in order
+  const __m256i w = _mm256_packus_epi32(bf16_lanes(a.lo), bf16_lanes(a.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(w, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 inline F16 add(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline F16 mul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }

@@ -5,31 +5,15 @@
 // torch adds, multiplies and copies cost 1-4 us of dispatch a call where its work is well under
 // one. Each row's result depends on that row alone, in a fixed order (batch invariant).
 #include <torch/extension.h>
-#include <cmath>
+
 #include <cstring>
+
+#include "rowwise.h"
 
 namespace {
 
-template <typename T>
-void rms_rows(const T* X, const T* W, T* Y, int64_t n, int64_t h, float eps) {
-#pragma omp parallel for schedule(static) if (n > 8)
-  for (int64_t r = 0; r < n; ++r) {
-    const T* x = X + r * h;
-    float lanes[16] = {0};
-    for (int64_t i = 0; i < h; ++i) {
-      const float v = static_cast<float>(x[i]);
-      lanes[i % 16] += v * v;
-    }
-    float ss = 0.0f;
-    for (float l : lanes) ss += l;
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
-    // as Hugging Face's RMSNorm: normalized in float32, rounded to x's dtype, times the weight
-    for (int64_t i = 0; i < h; ++i) {
-      const T normed = static_cast<T>(static_cast<float>(x[i]) * inv);
-      Y[r * h + i] = static_cast<T>(static_cast<float>(W[i]) * static_cast<float>(normed));
-    }
-  }
-}
+const uint16_t* bf16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+uint16_t* bf16_out(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
 // rotate-half rotary: y = x * cos + rotate_half(x) * sin, in float32, rounded to x's dtype
 template <typename T>
@@ -50,34 +34,17 @@ void rotary_rows(const T* X, const float* C, const float* S, const int64_t* P, T
   }
 }
 
-// Elementwise over `count` values: parallel only where the work outgrows a parallel region's cost
-// (a prompt's pass); a value's result never depends on which thread computes it.
-constexpr int64_t PARALLEL_VALUES = 1 << 16;
-
-// out = a op b, each value as torch computes it: in float32, rounded once to T (to nearest even
-// for bfloat16, c10's conversion), so the bits of at::add_out and at::mul_out
-template <typename T, typename Op>
-void binary(const T* a, const T* b, T* out, int64_t count, Op op) {
-#pragma omp parallel for schedule(static) if (count > PARALLEL_VALUES)
-  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
-}
-
-template <typename From, typename To>
-void convert(const From* src, To* dst, int64_t count) {
-#pragma omp parallel for schedule(static) if (count > PARALLEL_VALUES)
-  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<To>(static_cast<float>(src[i]));
-}
-
+// op(a, b, out, count) on float32 or bfloat16 pointers
 template <typename Op>
 void binary_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, Op op) {
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && out.is_contiguous() && a.sizes() == b.sizes() && a.sizes() == out.sizes(),
               "a, b and out alike, contiguous");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "a, b and out of one dtype");
   if (a.scalar_type() == torch::kFloat32) {
-    binary(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), a.numel(), op);
+    op(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), a.numel());
   } else {
     TORCH_CHECK(a.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
-    binary(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), a.numel(), op);
+    op(bf16(a), bf16(b), bf16_out(out), a.numel());
   }
 }
 
@@ -85,12 +52,19 @@ void binary_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Te
 
 // out = a + b, elementwise (out may be a or b)
 void add_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out) {
-  binary_into(a, b, out, [](float x, float y) { return x + y; });
+  binary_into(a, b, out, [](auto* x, auto* y, auto* o, int64_t count) { qd::add_values(x, y, o, count); });
 }
 
-// out = a * b, elementwise (out may be a or b)
-void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out) {
-  binary_into(a, b, out, [](float x, float y) { return x * y; });
+// out = silu(gate) * up, each rounded to the dtype as the decoder's two torch operations would be,
+// with rowwise.h's SiLU (out may be gate or up)
+void silu_mul_into(const torch::Tensor& gate, const torch::Tensor& up, const torch::Tensor& out) {
+  binary_into(gate, up, out, [](auto* g, auto* u, auto* o, int64_t count) { qd::silu_mul_values(g, u, o, count); });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  auto out = torch::empty_like(gate, at::MemoryFormat::Contiguous);
+  silu_mul_into(gate.contiguous(), up.contiguous(), out);
+  return out;
 }
 
 // dst = src in dst's dtype (float32 <-> bfloat16, rounded to nearest even as torch's copy_), both
@@ -99,9 +73,9 @@ void convert_into(const torch::Tensor& src, const torch::Tensor& dst) {
   TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && src.numel() == dst.numel(), "src and dst contiguous, of one size");
   const auto from = src.scalar_type(), to = dst.scalar_type();
   if (from == torch::kBFloat16 && to == torch::kFloat32) {
-    convert(src.data_ptr<at::BFloat16>(), dst.data_ptr<float>(), src.numel());
+    qd::convert_values(bf16(src), dst.data_ptr<float>(), src.numel());
   } else if (from == torch::kFloat32 && to == torch::kBFloat16) {
-    convert(src.data_ptr<float>(), dst.data_ptr<at::BFloat16>(), src.numel());
+    qd::convert_values(src.data_ptr<float>(), bf16_out(dst), src.numel());
   } else {
     TORCH_CHECK(from == to, "float32 <-> bfloat16, or one dtype");
     std::memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size());
@@ -132,10 +106,10 @@ void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double e
   auto xc = x.contiguous(), wc = weight.contiguous();
   const int64_t n = xc.size(0), h = xc.size(1);
   if (x.scalar_type() == torch::kFloat32) {
-    rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), n, h, static_cast<float>(eps));
+    qd::rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), n, h, static_cast<float>(eps));
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
-    rms_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), n, h, static_cast<float>(eps));
+    qd::rms_rows(bf16(xc), bf16(wc), bf16_out(y), n, h, static_cast<float>(eps));
   }
 }
 
