@@ -1,5 +1,5 @@
-"""The decoder's row-wise operations: the linear projection in every weight format, RMSNorm,
-SiLU x up and rotary position embeddings, each on quickdraft's CPU kernels where they run and on torch elsewhere.
+"""The decoder's row-wise operations: the linear projection in every weight format, RMSNorm and
+rotary position embeddings, each on quickdraft's CPU kernels where they run and on torch elsewhere.
 
 Batch invariance (ARCHITECTURE.md point 11): the projections take quickdraft's own CPU kernels
 (kernels/linear.cpp), invariant by construction in float32, bfloat16 and int8 on every instruction
@@ -72,17 +72,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, each rounded to the dtype: on the CPU in one call with the kernels' own
-    SiLU (kernels/rowwise.h, within a few ulp of torch's, the same bits on every ISA), which the
-    native pass runs too; elsewhere torch's."""
-    if gate.device.type == "cpu" and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16):
-        kernels = rowwise()
-        if kernels is not None:
-            return kernels.silu_mul(gate, up)
-    return F.silu(gate) * up
 
 
 class Rotary:

@@ -3,10 +3,9 @@
 A layer is an attention sublayer (RMSNorm, q/k/v projections, rotary, attention over the KV
 cache, the output projection, the residual add) and an MLP sublayer (RMSNorm, SwiGLU, residual),
 in Llama's and Qwen2's order. Every operation here is one call: a projection through ``linear``,
-a norm through ``rms_norm``, SwiGLU's product through ``silu_mul``, attention through the chain or
-tree kernel. native.py runs the same kernels in the same order from C++ (one call a layer, or one
-call a pass), and tests/models/test_fused_layer.py and test_native_forward.py hold it to these
-bits.
+a norm through ``rms_norm``, attention through the chain or tree kernel. native.py runs the same
+kernels in the same order from C++ (one call a layer, or one call a pass), and
+tests/models/test_fused_layer.py and test_native_forward.py hold it to these bits.
 
 Attention is computed per sequence, each chain row alone over exactly its own keys, so its calls
 have the same shapes in a verification pass as in plain decoding (batch invariance,
@@ -16,10 +15,11 @@ ARCHITECTURE.md point 11).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder.metadata import AttentionMetadata, attention_mask, tree_paths
-from quickdraft.models.decoder.ops import _bmm_rows, linear, rms_norm, silu_mul
+from quickdraft.models.decoder.ops import _bmm_rows, linear, rms_norm
 from quickdraft.models.kernels import chain_attention, tree_attention
 
 CHAIN_HEAD_DIMS = range(16, 257, 16)  # head sizes kernels/attention.cpp takes
@@ -41,7 +41,7 @@ class ReferenceLayers:
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], self.config.rms_norm_eps)
         gate = linear(h, w[p + "mlp.gate_proj.weight"])
         up = linear(h, w[p + "mlp.up_proj.weight"])
-        return x + linear(silu_mul(gate, up), w[p + "mlp.down_proj.weight"])
+        return x + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
 
     def _attention_sublayer(self, layer, x, positions, kv, meta) -> torch.Tensor:
         """x + the layer's attention over x (its keys and values written to ``kv`` on the way)."""

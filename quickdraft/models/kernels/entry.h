@@ -42,8 +42,7 @@ void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double e
 void rotary_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
                  const torch::Tensor& y);
 void add_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
-void silu_mul_into(const torch::Tensor& gate, const torch::Tensor& up, const torch::Tensor& out);
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
 void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
 

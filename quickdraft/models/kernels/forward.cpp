@@ -10,8 +10,9 @@
 // against each layer's caches before the first layer runs (a few comparisons a sequence).
 //
 // What still allocates per layer: tensor handles for views (narrow, select, view: metadata only,
-// no storage) and the small vectors linear_blocks_into takes; no torch operation is left in a
-// layer. Per pass: the returned hidden states (and the captured ones), which outlive the call.
+// no storage), the small vectors linear_blocks_into takes, and torch's own bookkeeping inside
+// silu_out, the one torch operation left in a layer. Per pass: the returned hidden states (and the
+// captured ones), which outlive the call.
 #include <torch/extension.h>
 
 #include <mutex>

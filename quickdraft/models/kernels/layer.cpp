@@ -6,8 +6,8 @@
 // interleaved in one process (AMD EPYC, stored Q4_K_M blocks, 200 tokens of context): the 0.5B
 // draft's one-row step 17.6 -> 16.0 ms, the 1.5B's 40.4 -> 39.5 and 40.5 -> 36.9 ms (two runs).
 // This is the same sequence of the same kernels (linear.cpp, blocks.cpp, rowwise.cpp,
-// attention.cpp) and of the same elementwise operations (rowwise.h's: SiLU x up; adds, multiplies and
-// conversions rounded as torch rounds them), in the same order, so its output is bit
+// attention.cpp) and of the same elementwise operations (torch's silu; adds, multiplies and
+// conversions rounded as torch rounds them, rowwise.cpp), in the same order, so its output is bit
 // for bit that of the Python path, which stays for long prefills, the
 // int8 draft format, CUDA and CPUs without the kernels (tests/models/test_fused_layer.py).
 // forward.cpp runs every layer of a pass through the same layer_into.
@@ -170,9 +170,13 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
   const c10::optional<torch::Tensor> no_bias[2] = {c10::nullopt, c10::nullopt};
   project_all_into(b.h, w + 6, kinds + 4, no_bias, gate_up, 2);
   laps.to(&LayerTimes::matrices);
-  silu_mul_into(b.gate, b.up, b.gate);  // in place: the Python path's ops.silu_mul
+  // silu(gate) * up, each in place: torch's silu (its exp's bits are torch's), then the product as
+  // the Python path's multiply rounds it
+  torch::Tensor gate = b.gate;  // a handle: silu_out takes it by reference
+  at::silu_out(gate, gate);
+  mul_into(gate, b.up, gate);
   laps.to(&LayerTimes::other);
-  project_into(b.gate, w[8], kinds[6], c10::nullopt, b.down);
+  project_into(gate, w[8], kinds[6], c10::nullopt, b.down);
   laps.to(&LayerTimes::matrices);
   add_into(b.mid, b.down, out);
   laps.to(&LayerTimes::other);

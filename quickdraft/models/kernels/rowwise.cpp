@@ -55,16 +55,9 @@ void add_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tenso
   binary_into(a, b, out, [](auto* x, auto* y, auto* o, int64_t count) { qd::add_values(x, y, o, count); });
 }
 
-// out = silu(gate) * up, each rounded to the dtype as the decoder's two torch operations would be,
-// with rowwise.h's SiLU (out may be gate or up)
-void silu_mul_into(const torch::Tensor& gate, const torch::Tensor& up, const torch::Tensor& out) {
-  binary_into(gate, up, out, [](auto* g, auto* u, auto* o, int64_t count) { qd::silu_mul_values(g, u, o, count); });
-}
-
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
-  auto out = torch::empty_like(gate, at::MemoryFormat::Contiguous);
-  silu_mul_into(gate.contiguous(), up.contiguous(), out);
-  return out;
+// out = a * b, elementwise (out may be a or b)
+void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out) {
+  binary_into(a, b, out, [](auto* x, auto* y, auto* o, int64_t count) { qd::mul_values(x, y, o, count); });
 }
 
 // dst = src in dst's dtype (float32 <-> bfloat16, rounded to nearest even as torch's copy_), both

@@ -1,12 +1,13 @@
 // A layer's row-wise and elementwise steps on raw pointers, written against the vector layer
-// (simd.h): RMSNorm, SiLU(gate) x up, adds, multiplies and conversions. rowwise.cpp binds them
-// to torch; tests/native runs them on every ISA. T is float (float32) or uint16_t (bfloat16).
+// (simd.h): RMSNorm, adds, multiplies and conversions, each value rounded as torch rounds it.
+// rowwise.cpp binds them to torch; tests/native runs them on every ISA. T is float (float32) or
+// uint16_t (bfloat16).
 //
-// Why vectors: at one row a layer's elementwise steps are a few thousand values each, and their
-// scalar loops (a bfloat16 rounding a value, with its NaN branch) and torch's silu (~15 us for the
-// 0.5B's 4,864 values, through the dispatcher) came to about a twelfth of a draft pass on an AMD
-// EPYC Zen 1. Each value's result is the same sequence of lane operations on every ISA (simd.h),
-// so the bits are the portable build's, and each row's depend on that row alone.
+// Why by hand: at one to a few rows these are a few thousand values each, where a torch call's
+// dispatch costs more than the work. Written against simd.h rather than left to the compiler's
+// vectorizer, so that each ISA's bits are checked against the portable build's: RMSNorm of the
+// 1.5B's 8,960 values a row took 14.8 us against 19.2 for the scalar loops before (AMD EPYC Zen 1,
+// through Python). Each row's result depends on that row alone.
 #pragma once
 
 #include <cmath>
@@ -109,7 +110,7 @@ void add_values(const T* a, const T* b, T* out, int64_t count) {
   in_sixteens(count, [&](int n, int64_t i) { store_n(out + i, simd::add(load_n(a + i, n), load_n(b + i, n)), n); });
 }
 
-// out = a * b, likewise torch's multiply
+// out = a * b, likewise torch's multiply (out may be a or b)
 template <typename T>
 void mul_values(const T* a, const T* b, T* out, int64_t count) {
   in_sixteens(count, [&](int n, int64_t i) { store_n(out + i, simd::mul(load_n(a + i, n), load_n(b + i, n)), n); });
@@ -119,26 +120,6 @@ void mul_values(const T* a, const T* b, T* out, int64_t count) {
 template <typename From, typename To>
 void convert_values(const From* src, To* dst, int64_t count) {
   in_sixteens(count, [&](int n, int64_t i) { store_n(dst + i, load_n(src + i, n), n); });
-}
-
-// SiLU, x / (1 + e^-x), from simd::exp_neg alone (so the same bits on every ISA):
-// x e^min(x, 0) / (1 + e^-|x|), which is x / (1 + e^-x) for either sign with both exponents <= 0.
-// Within a few ulp of the exact value; below x = -87 the numerator's e^x stays at e^-87 (exp_neg's
-// floor), a value of |x| x 1.6e-38 where the exact one is smaller still. NaN stays NaN.
-inline simd::F16 silu(simd::F16 x) {
-  const simd::F16 minus = simd::set1_f(-1.0f);
-  const simd::F16 lower = simd::mul(simd::max(simd::mul(x, minus), simd::zero_f()), minus);  // min(x, 0)
-  const simd::F16 num = simd::mul(x, simd::exp_neg(lower));
-  return simd::div(num, simd::add(simd::set1_f(1.0f), simd::exp_neg(simd::mul(simd::abs(x), minus))));
-}
-
-// out = T(T(silu(gate)) x up): the decoder's silu(gate) * up, each rounded to T as the two torch
-// operations would be (out may be gate or up)
-template <typename T>
-void silu_mul_values(const T* gate, const T* up, T* out, int64_t count) {
-  in_sixteens(count, [&](int n, int64_t i) {
-    store_n(out + i, simd::mul(round_to<T>(silu(load_n(gate + i, n))), load_n(up + i, n)), n);
-  });
 }
 
 }  // namespace QD_ISA_NS
