@@ -77,8 +77,8 @@ void rms_rows(const T* X, const T* W, T* Y, int64_t n, int64_t h, float eps) {
 // (a prompt's pass); a value's result never depends on which thread computes it.
 constexpr int64_t PARALLEL_VALUES = 1 << 16;
 
-// f over each 16 values i..i+15 of `count` (the last ones through a padded copy: op(n, i) gets
-// how many are real), in parallel past PARALLEL_VALUES
+// op(n, i) for each 16 values i..i+15 of `count`, n of them real (16, or fewer for the last: the
+// callers pad those through a copy), in parallel past PARALLEL_VALUES
 template <typename Op>
 inline void in_sixteens(int64_t count, Op op) {
   const int64_t whole = count / 16;
