@@ -14,10 +14,14 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "entry.h"  // the kernels it strings together
 #include "layer.h"
+#include "rowwise.h"
 
 namespace {
 
@@ -48,6 +52,23 @@ void project_all_into(const torch::Tensor& x, const torch::Tensor* w, const int6
                          std::vector<torch::Tensor>(ys + i, ys + end));
     }
     i = end;
+  }
+}
+
+// t's elements as T (float, or uint16_t for bfloat16): a pointer, no check
+template <typename T>
+T* data(const torch::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// run(static_cast<T*>(nullptr)) with T x's element type: float for float32, uint16_t for bfloat16
+template <typename Run>
+void with_type(const torch::Tensor& x, Run run) {
+  if (x.scalar_type() == torch::kFloat32) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "float32 or bfloat16 activations");
+    run(static_cast<uint16_t*>(nullptr));
   }
 }
 
@@ -85,7 +106,18 @@ void Pass::check(int64_t n, const torch::Tensor& kcache, const torch::Tensor& vc
     rows += query_lens[i];
   }
   TORCH_CHECK(rows == n, "the query lengths add up to ", rows, ", x has ", n, " rows");
-  TORCH_CHECK(positions.numel() == n, "one position a row");
+  // what layer_into's pointers take for granted
+  const int64_t d = kcache.size(3);
+  TORCH_CHECK(kcache.strides() == vcache.strides() && kcache.stride(3) == 1 && d % 16 == 0,
+              "caches alike, rows of d contiguous, d a multiple of 16");
+  TORCH_CHECK(positions.numel() == n && positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
+              "one int64 position a row");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == d,
+              "cos, sin [positions, d] float32, contiguous");
+  const int64_t* p = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "position ", p[r], " is past the rotary table's ", cos.size(0));
 }
 
 Buffers Buffers::allocate(int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t intermediate,
@@ -135,26 +167,47 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
   const torch::Tensor qkv[3] = {b.q, b.k, b.v};
   project_all_into(b.h, w + 1, kinds, biases, qkv, 3);
   laps.to(&LayerTimes::matrices);
-  // rotated in place: rotary_into reads each pair of values before it writes them
-  const torch::Tensor q = b.q.view({n, pass.heads, d}), k = b.k.view({n, pass.kv_heads, d}), v = b.v.view({n, pass.kv_heads, d});
-  rotary_into(q, pass.cos, pass.sin, pass.positions, q);
-  rotary_into(k, pass.cos, pass.sin, pass.positions, k);
+  // Rotary, the cache writes and a chain's attention go straight to rowwise.h and attention.h on the
+  // workspace's and the caches' pointers (checked once a pass: Pass::check): each tensor view of
+  // a cache or a sequence's rows (select, narrow, view) costs a dispatch and a tensor, which came
+  // to ~40 us a layer of the 0.5B's attention on an AMD EPYC Zen 1, half of it. The same kernels
+  // with the same arguments: the same bits.
+  const int64_t H = pass.heads, Hkv = pass.kv_heads;
+  const int64_t* positions = pass.positions.data_ptr<int64_t>();
+  const float *cos = pass.cos.data_ptr<float>(), *sin = pass.sin.data_ptr<float>();
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    // rotated in place: rotary_rows reads each pair of values before it writes them
+    qd::rotary_rows(data<T>(b.q), cos, sin, positions, data<T>(b.q), n, H, d);
+    qd::rotary_rows(data<T>(b.k), cos, sin, positions, data<T>(b.k), n, Hkv, d);
+  });
   // attention reads float32 queries: the Python path's q.float(), one conversion for every sequence
   if (b.qf.data_ptr() != b.q.data_ptr()) convert_into(b.q, b.qf);
   laps.to(&LayerTimes::other);
-  const torch::Tensor qf = b.qf.view({n, pass.heads, d});
   int64_t start = 0;
   for (size_t i = 0; i < pass.slots.size(); ++i) {
     const int64_t ctx = pass.context_lens[i], len = pass.query_lens[i];
-    const torch::Tensor keys = kcache.select(0, pass.slots[i]), values = vcache.select(0, pass.slots[i]);  // [kv_heads, max_len, d]
-    write_cache(k.narrow(0, start, len), keys, ctx);
-    write_cache(v.narrow(0, start, len), values, ctx);
-    const torch::Tensor qi = qf.narrow(0, start, len), oi = b.attn.narrow(0, start, len);
-    const torch::Tensor ki = keys.narrow(1, 0, ctx + len), vi = values.narrow(1, 0, ctx + len);
-    if (pass.tree_starts[i].has_value()) {
-      attend_tree_into(qi, ki, vi, ctx, *pass.tree_starts[i], *pass.tree_paths[i], pass.scale, oi);
+    if (pass.tree_starts[i].has_value()) {  // a tree: attend_tree_into checks its paths
+      const torch::Tensor keys = kcache.select(0, pass.slots[i]), values = vcache.select(0, pass.slots[i]);  // [kv_heads, max_len, d]
+      write_cache(b.k.narrow(0, start, len).view({len, Hkv, d}), keys, ctx);
+      write_cache(b.v.narrow(0, start, len).view({len, Hkv, d}), values, ctx);
+      attend_tree_into(b.qf.narrow(0, start, len).view({len, H, d}), keys.narrow(1, 0, ctx + len), values.narrow(1, 0, ctx + len),
+                       ctx, *pass.tree_starts[i], *pass.tree_paths[i], pass.scale, b.attn.narrow(0, start, len));
     } else {
-      attend_chain_into(qi, ki, vi, ctx, pass.scale, oi);
+      with_type(x, [&](auto* type) {
+        using T = std::remove_pointer_t<decltype(type)>;
+        // the slot's keys and values [kv_heads, max_len, d]: rows of d contiguous
+        T *keys = data<T>(kcache) + pass.slots[i] * kcache.stride(0), *values = data<T>(vcache) + pass.slots[i] * vcache.stride(0);
+        const int64_t hs = kcache.stride(1), ks = kcache.stride(2);
+        const T *k = data<T>(b.k) + start * Hkv * d, *v = data<T>(b.v) + start * Hkv * d;
+        for (int64_t r = 0; r < len; ++r)  // write_cache's copies
+          for (int64_t h = 0; h < Hkv; ++h) {
+            std::memcpy(keys + h * hs + (ctx + r) * ks, k + (r * Hkv + h) * d, d * sizeof(T));
+            std::memcpy(values + h * hs + (ctx + r) * ks, v + (r * Hkv + h) * d, d * sizeof(T));
+          }
+        qd::attend_chain(data<float>(b.qf) + start * H * d, static_cast<const T*>(keys), static_cast<const T*>(values), hs, ks,
+                         data<float>(b.attn) + start * H * d, len, H, Hkv, d, ctx, static_cast<float>(pass.scale));
+      });
     }
     start += len;
   }
@@ -194,6 +247,7 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vecto
   const Pass pass{positions, cos, sin, slots, context_lens, query_lens, tree_starts, tree_paths, heads, kv_heads, eps, scale};
   const int64_t n = x.size(0);
   pass.check(n, kcache, vcache);
+  TORCH_CHECK(kcache.scalar_type() == x.scalar_type(), "caches of x's dtype");
   const Buffers b = Buffers::allocate(n, x.size(1), heads, kv_heads, kcache.size(3), out_features(w[6], kinds[4]), x.options());
   torch::Tensor out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   layer_into(x, out, w.data(), kinds.data(), biases.data(), kcache, vcache, pass, b);

@@ -15,25 +15,6 @@ namespace {
 const uint16_t* bf16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 uint16_t* bf16_out(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
-// rotate-half rotary: y = x * cos + rotate_half(x) * sin, in float32, rounded to x's dtype
-template <typename T>
-void rotary_rows(const T* X, const float* C, const float* S, const int64_t* P, T* Y, int64_t n, int64_t heads, int64_t d) {
-  const int64_t half = d / 2;
-  for (int64_t r = 0; r < n; ++r) {
-    const float* c = C + P[r] * d;
-    const float* s = S + P[r] * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* x = X + (r * heads + h) * d;
-      T* y = Y + (r * heads + h) * d;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
-        y[i] = static_cast<T>(a * c[i] - b * s[i]);
-        y[i + half] = static_cast<T>(b * c[i + half] + a * s[i + half]);
-      }
-    }
-  }
-}
-
 // op(a, b, out, count) on float32 or bfloat16 pointers
 template <typename Op>
 void binary_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, Op op) {
@@ -129,11 +110,11 @@ void rotary_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::
   }
   const int64_t n = xc.size(0), heads = xc.size(1), d = xc.size(2);
   if (x.scalar_type() == torch::kFloat32) {
-    rotary_rows(xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), pc.data_ptr<int64_t>(), y.data_ptr<float>(), n, heads, d);
+    qd::rotary_rows(xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), pc.data_ptr<int64_t>(), y.data_ptr<float>(), n, heads,
+                    d);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
-    rotary_rows(xc.data_ptr<at::BFloat16>(), cc.data_ptr<float>(), sc.data_ptr<float>(), pc.data_ptr<int64_t>(),
-                y.data_ptr<at::BFloat16>(), n, heads, d);
+    qd::rotary_rows(bf16(xc), cc.data_ptr<float>(), sc.data_ptr<float>(), pc.data_ptr<int64_t>(), bf16_out(y), n, heads, d);
   }
 }
 

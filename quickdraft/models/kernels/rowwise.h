@@ -1,5 +1,5 @@
 // A layer's row-wise and elementwise steps on raw pointers, written against the vector layer
-// (simd.h): RMSNorm, adds, multiplies and conversions, each value rounded as torch rounds it.
+// (simd.h): RMSNorm, rotary, adds, multiplies and conversions, each value rounded as torch rounds it.
 // rowwise.cpp binds them to torch; tests/native runs them on every ISA. T is float (float32) or
 // uint16_t (bfloat16).
 //
@@ -70,6 +70,27 @@ void rms_rows(const T* X, const T* W, T* Y, int64_t n, int64_t h, float eps) {
     for (int64_t i = 0; i < whole; i += 16)
       store(y + i, simd::mul(simd::load_f(W + i), round_to<T>(simd::mul(simd::load_f(x + i), iv))));
     for (int64_t i = whole; i < h; ++i) y[i] = from_float<T>(to_float(W[i]) * to_float(from_float<T>(to_float(x[i]) * inv)));
+  }
+}
+
+// rotate-half rotary, row r at position P[r]: y = x * cos + rotate_half(x) * sin in float32,
+// rounded to T; X, Y [n, heads, d] (Y may be X: each pair of values is read before it is written),
+// C, S [positions, d]
+template <typename T>
+void rotary_rows(const T* X, const float* C, const float* S, const int64_t* P, T* Y, int64_t n, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* c = C + P[r] * d;
+    const float* s = S + P[r] * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* x = X + (r * heads + h) * d;
+      T* y = Y + (r * heads + h) * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = to_float(x[i]), b = to_float(x[i + half]);
+        y[i] = from_float<T>(a * c[i] - b * s[i]);
+        y[i + half] = from_float<T>(b * c[i + half] + a * s[i + half]);
+      }
+    }
   }
 }
 
