@@ -170,7 +170,7 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
   // Rotary, the cache writes and a chain's attention go straight to rowwise.h and attention.h on the
   // workspace's and the caches' pointers (checked once a pass: Pass::check): each tensor view of
   // a cache or a sequence's rows (select, narrow, view) costs a dispatch and a tensor, which came
-  // to ~40 us a layer of the 0.5B's attention on an AMD EPYC Zen 1, half of it. The same kernels
+  // to ~40 us a layer of the 0.5B's attention on an AMD EPYC Zen 1, two fifths of it. The same kernels
   // with the same arguments: the same bits.
   const int64_t H = pass.heads, Hkv = pass.kv_heads;
   const int64_t* positions = pass.positions.data_ptr<int64_t>();
