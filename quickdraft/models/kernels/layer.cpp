@@ -14,7 +14,6 @@
 #include <torch/extension.h>
 
 #include <chrono>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -199,12 +198,9 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
         // the slot's keys and values [kv_heads, max_len, d]: rows of d contiguous
         T *keys = data<T>(kcache) + pass.slots[i] * kcache.stride(0), *values = data<T>(vcache) + pass.slots[i] * vcache.stride(0);
         const int64_t hs = kcache.stride(1), ks = kcache.stride(2);
-        const T *k = data<T>(b.k) + start * Hkv * d, *v = data<T>(b.v) + start * Hkv * d;
-        for (int64_t r = 0; r < len; ++r)  // write_cache's copies
-          for (int64_t h = 0; h < Hkv; ++h) {
-            std::memcpy(keys + h * hs + (ctx + r) * ks, k + (r * Hkv + h) * d, d * sizeof(T));
-            std::memcpy(values + h * hs + (ctx + r) * ks, v + (r * Hkv + h) * d, d * sizeof(T));
-          }
+        constexpr int64_t size = sizeof(T);
+        qd::write_rows(data<T>(b.k) + start * Hkv * d, keys, hs * size, ks * size, ctx, len, Hkv, d * size);
+        qd::write_rows(data<T>(b.v) + start * Hkv * d, values, hs * size, ks * size, ctx, len, Hkv, d * size);
         qd::attend_chain(data<float>(b.qf) + start * H * d, static_cast<const T*>(keys), static_cast<const T*>(values), hs, ks,
                          data<float>(b.attn) + start * H * d, len, H, Hkv, d, ctx, static_cast<float>(pass.scale));
       });

@@ -64,11 +64,8 @@ void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t 
               "rows [len, kv_heads, d] contiguous, cache [kv_heads, L, d] of their dtype");
   const int64_t len = rows.size(0), heads = rows.size(1), d = rows.size(2);
   TORCH_CHECK(at >= 0 && at + len <= cache.size(1), "positions ", at, "..", at + len, " past the cache's ", cache.size(1));
-  const int64_t bytes = d * rows.element_size(), hs = cache.stride(0) * rows.element_size(), ks = cache.stride(1) * rows.element_size();
-  const char* src = static_cast<const char*>(rows.data_ptr());
-  char* dst = static_cast<char*>(cache.data_ptr());
-  for (int64_t r = 0; r < len; ++r)
-    for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * hs + (at + r) * ks, src + (r * heads + h) * bytes, bytes);
+  const int64_t size = rows.element_size();
+  qd::write_rows(rows.data_ptr(), cache.data_ptr(), cache.stride(0) * size, cache.stride(1) * size, at, len, heads, d * size);
 }
 
 // x [n, h], weight [h] of x's dtype (float32 or bfloat16) -> y [n, h], contiguous, of x's dtype

@@ -94,6 +94,16 @@ void rotary_rows(const T* X, const float* C, const float* S, const int64_t* P, T
   }
 }
 
+// rows [len, heads, d] (contiguous, `bytes` = d's bytes) into a slot's cache [heads, >= at + len, d]
+// at positions at..at+len-1; hs, ks: the cache's head and position strides in bytes
+inline void write_rows(const void* rows, void* cache, int64_t hs, int64_t ks, int64_t at, int64_t len, int64_t heads,
+                       int64_t bytes) {
+  const char* src = static_cast<const char*>(rows);
+  char* dst = static_cast<char*>(cache);
+  for (int64_t r = 0; r < len; ++r)
+    for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * hs + (at + r) * ks, src + (r * heads + h) * bytes, bytes);
+}
+
 // Elementwise over `count` values: parallel only where the work outgrows a parallel region's cost
 // (a prompt's pass); a value's result never depends on which thread computes it.
 constexpr int64_t PARALLEL_VALUES = 1 << 16;
