@@ -23,52 +23,89 @@ T* scratch(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
-template <int KIND>
-void quantize(const torch::Tensor& x, int8_t* Q, float* XS, int32_t* INIT, float* QS) {
-  if (x.scalar_type() == torch::kFloat32) {
-    qd::quantize_rows<KIND>(x.data_ptr<float>(), x.size(0), x.size(1), Q, XS, INIT, QS);
-  } else {
-    qd::quantize_rows<KIND>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1), Q, XS, INIT, QS);
-  }
+}  // namespace
+
+// x [M, K] (float32, or bfloat16 as uint16_t) times the weights of w, its tiles, biases and outputs
+// set, on raw pointers: x quantized into this thread's scratch, then the tiles (on AMX where it
+// takes the pass)
+void run_blocks(int64_t kind, const void* x, bool f32, int64_t M, int64_t K, const qd::Weights& w) {
+  qd::by_kind(kind, [&](auto k) {
+    constexpr int KIND = decltype(k)::value < 0 ? 0 : decltype(k)::value;
+    TORCH_CHECK(decltype(k)::value >= 0, "unknown block format ", kind);
+    const int64_t nb = K / Format<KIND>::L;
+    thread_local std::vector<int8_t> qbuf;
+    thread_local std::vector<float> xsbuf, qsbuf;
+    thread_local std::vector<int32_t> initbuf;
+    const int64_t padded = (M + 15) / 16 * 16;  // AMX reads x in whole tiles of rows (the rows past M: never read back)
+    int8_t* q = scratch(qbuf, padded * K);
+    float* xs = scratch(xsbuf, M * nb);
+    int32_t* init = scratch(initbuf, M * nb);
+    float* qs = scratch(qsbuf, M * nb);
+    const qd::Rows rows{q, xs, init, qs, K, nb, M > 1};
+    if (f32) {
+      qd::quantize_rows<KIND>(static_cast<const float*>(x), M, K, q, xs, init, qs);
+    } else {
+      qd::quantize_rows<KIND>(static_cast<const uint16_t*>(x), M, K, q, xs, init, qs);
+    }
+#if defined(QD_ISA_AVX512)
+    if (qd::run_amx<KIND>(rows, w, M)) return;
+#endif
+    qd::run_tiles<KIND>(rows, w, M);
+  });
 }
 
-// into: null, or one output a weight [M, tiles * 16] of x's dtype, contiguous, written in place
-// (forward.cpp's workspace); null allocates them
+qd::Weights block_weights(int64_t kind, int64_t K, const std::vector<torch::Tensor>& ws,
+                          const std::vector<c10::optional<torch::Tensor>>& biases, std::vector<torch::Tensor>& keep) {
+  return qd::by_kind(kind, [&](auto k) {
+    constexpr int KIND = decltype(k)::value < 0 ? 0 : decltype(k)::value;
+    TORCH_CHECK(decltype(k)::value >= 0, "unknown block format ", kind);
+    using F = Format<KIND>;
+    TORCH_CHECK(K % F::L == 0 && (!F::SUPER || K % (F::L * F::SUPER) == 0), "K a multiple of the block and super-block");
+    TORCH_CHECK(!ws.empty() && ws.size() <= qd::Weights::MAX && biases.size() == ws.size(), "1 to 4 weights, a bias (or None) each");
+    qd::Weights w;
+    w.count = static_cast<int>(ws.size());
+    w.tile_bytes = F::tile_bytes(K / F::L);
+    for (int i = 0; i < w.count; ++i) {
+      const torch::Tensor& wi = ws[i];
+      TORCH_CHECK(wi.scalar_type() == torch::kUInt8 && wi.dim() == 2 && wi.is_contiguous(), "w: uint8 tiles [N / 16, bytes]");
+      TORCH_CHECK(wi.size(1) == w.tile_bytes, "w: ", wi.size(1), " bytes a tile, the layout needs ", w.tile_bytes);
+      const int64_t N = wi.size(0) * LANES;
+      w.W[i] = wi.data_ptr<uint8_t>();
+      w.B[i] = nullptr;
+      if (biases[i].has_value()) {
+        const torch::Tensor& bias = *biases[i];
+        const int64_t n = bias.numel();
+        TORCH_CHECK(n <= N && n > N - LANES, "a bias of ", n, " values for ", wi.size(0), " tiles of 16 rows");
+        if (n == N && bias.scalar_type() == torch::kFloat32 && bias.is_contiguous()) {
+          w.B[i] = bias.data_ptr<float>();  // as the tiles read it (models/decoder/native.py keeps its biases so)
+        } else {  // three small torch operations a bias: ~10 us a call at one row
+          keep.push_back(torch::zeros({N}, torch::kFloat32));
+          keep.back().narrow(0, 0, n).copy_(bias.reshape({n}));
+          w.B[i] = keep.back().data_ptr<float>();
+        }
+      }
+      w.first[i + 1] = w.first[i] + wi.size(0);
+    }
+    return w;
+  });
+}
+
+namespace {
+
+// into: null, or one output a weight [M, tiles * 16] of x's dtype, contiguous, written in place;
+// null allocates them
 template <int KIND>
 std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t K,
                                const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<torch::Tensor>* into) {
-  using F = Format<KIND>;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % F::L == 0, "x [M, K] with K a multiple of the block");
-  TORCH_CHECK(!F::SUPER || K % (F::L * F::SUPER) == 0, "K a multiple of the super-block");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
   TORCH_CHECK(x.is_contiguous(), "x contiguous");
-  TORCH_CHECK(!ws.empty() && ws.size() <= qd::Weights::MAX && biases.size() == ws.size(), "1 to 4 weights, a bias (or None) each");
   TORCH_CHECK(into == nullptr || into->size() == ws.size(), "one output a weight");
-  const int64_t M = x.size(0), nb = K / F::L;
-  qd::Weights w;
-  w.count = static_cast<int>(ws.size());
-  w.tile_bytes = F::tile_bytes(nb);
-  std::vector<torch::Tensor> outs, b32(w.count);
+  const int64_t M = x.size(0);
+  std::vector<torch::Tensor> outs, keep;
+  qd::Weights w = block_weights(KIND, K, ws, biases, keep);
   for (int i = 0; i < w.count; ++i) {
-    const torch::Tensor& wi = ws[i];
-    TORCH_CHECK(wi.scalar_type() == torch::kUInt8 && wi.dim() == 2 && wi.is_contiguous(), "w: uint8 tiles [N / 16, bytes]");
-    TORCH_CHECK(wi.size(1) == w.tile_bytes, "w: ", wi.size(1), " bytes a tile, the layout needs ", w.tile_bytes);
-    const int64_t N = wi.size(0) * LANES;  // the padded rows too: the caller drops them
-    w.W[i] = wi.data_ptr<uint8_t>();
-    w.B[i] = nullptr;
-    if (biases[i].has_value()) {
-      const torch::Tensor& bias = *biases[i];
-      const int64_t n = bias.numel();
-      TORCH_CHECK(n <= N && n > N - LANES, "a bias of ", n, " values for ", wi.size(0), " tiles of 16 rows");
-      if (n == N && bias.scalar_type() == torch::kFloat32 && bias.is_contiguous()) {
-        w.B[i] = bias.data_ptr<float>();  // as the tiles read it (models/decoder/native.py keeps its biases so)
-      } else {  // three small torch operations a bias: ~10 us a call at one row
-        b32[i] = torch::zeros({N}, x.options().dtype(torch::kFloat32));
-        b32[i].narrow(0, 0, n).copy_(bias.reshape({n}));
-        w.B[i] = b32[i].data_ptr<float>();
-      }
-    }
-    w.first[i + 1] = w.first[i] + wi.size(0);
+    const int64_t N = ws[i].size(0) * LANES;  // the padded rows too: the caller drops them
     if (into == nullptr) {
       outs.push_back(torch::empty({M, N}, x.options()));
     } else {
@@ -79,20 +116,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
     }
     w.ys[i] = qd::Out{outs.back().data_ptr(), x.scalar_type() == torch::kFloat32};
   }
-  thread_local std::vector<int8_t> qbuf;
-  thread_local std::vector<float> xsbuf, qsbuf;
-  thread_local std::vector<int32_t> initbuf;
-  const int64_t padded = (M + 15) / 16 * 16;  // AMX reads x in whole tiles of rows (the rows past M: never read back)
-  int8_t* q = scratch(qbuf, padded * K);
-  float* xs = scratch(xsbuf, M * nb);
-  int32_t* init = scratch(initbuf, M * nb);
-  float* qs = scratch(qsbuf, M * nb);
-  quantize<KIND>(x, q, xs, init, qs);
-  const qd::Rows rows{q, xs, init, qs, K, nb, M > 1};
-#if defined(QD_ISA_AVX512)
-  if (qd::run_amx<KIND>(rows, w, M)) return outs;
-#endif
-  qd::run_tiles<KIND>(rows, w, M);
+  run_blocks(KIND, x.data_ptr(), x.scalar_type() == torch::kFloat32, M, K, w);
   return outs;
 }
 

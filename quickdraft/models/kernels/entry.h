@@ -7,6 +7,8 @@
 
 #include <vector>
 
+#include "blocks.h"  // qd::Weights
+
 // linear.cpp: dense and int8 weights
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
@@ -21,6 +23,14 @@ std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch
                                               std::vector<c10::optional<torch::Tensor>> biases);
 void linear_blocks_into(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t kind, int64_t K,
                         const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<torch::Tensor>& ys);
+// the same on raw pointers, for layer.cpp's projections prepared once a model: block_weights
+// checks ws (1 to 4 of ``kind``'s layout for K inputs) and their biases and gives their tiles and
+// biases (a bias not float32 [tiles * 16] is converted into a tensor kept in ``keep``, which must
+// live as long as the result); run_blocks runs x [M, K] (float32, or bfloat16 as uint16_t) against
+// them into the outputs set in w.ys, with no check
+qd::Weights block_weights(int64_t kind, int64_t K, const std::vector<torch::Tensor>& ws,
+                          const std::vector<c10::optional<torch::Tensor>>& biases, std::vector<torch::Tensor>& keep);
+void run_blocks(int64_t kind, const void* x, bool f32, int64_t M, int64_t K, const qd::Weights& w);
 double vnni_rate(int64_t runs);
 bool amx_active();
 bool use_amx(bool on);

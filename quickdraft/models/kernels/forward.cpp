@@ -9,8 +9,8 @@
 // pass has more rows than any before. The pass's metadata is handed in once, and checked
 // against each layer's caches before the first layer runs (a few comparisons a sequence).
 //
-// What still allocates per layer: the small vectors linear_blocks_into takes, torch's own
-// bookkeeping inside silu_out (the one torch operation left in a layer), and for a token tree the
+// What still allocates per layer: torch's own bookkeeping inside silu_out (the one torch
+// operation left in a layer), and for a token tree the
 // views of its rows and caches (select, narrow, view: metadata only, no storage); a chain's rotary,
 // cache writes and attention run on pointers (layer.cpp). Per pass: the workspace's views of its
 // first n rows, and the returned hidden states (and the captured ones), which outlive the call.
@@ -42,8 +42,9 @@ class NativeDecoder {
                 "9 weights, 7 kinds and 3 biases a layer");
     TORCH_CHECK(norm_.dim() == 1 && heads_ % kv_heads_ == 0, "norm [hidden]; heads a multiple of kv heads");
     intermediate_ = out_features(w_[6], kinds_[4]);
-    for (int64_t l = 1; l < layers_; ++l)
-      TORCH_CHECK(out_features(w_[9 * l + 6], kinds_[7 * l + 4]) == intermediate_, "one intermediate size in every layer");
+    for (int64_t l = 0; l < layers_; ++l)
+      projections_.push_back(Projections::of(&w_[9 * l], &kinds_[7 * l], &biases_[3 * l], norm_.size(0), heads_ * d_, kv_heads_ * d_,
+                                             intermediate_));
   }
 
   int64_t num_layers() const { return layers_; }
@@ -100,7 +101,7 @@ class NativeDecoder {
     for (int64_t l = 0; l < num_layers; ++l) {
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == l) captured.narrow(1, c * hidden, hidden).copy_(stream);
-      layer_into(stream, stream, &w_[9 * l], &kinds_[7 * l], &biases_[3 * l], kcaches[l], vcaches[l], pass, b,
+      layer_into(stream, stream, &w_[9 * l], projections_[l], &biases_[3 * l], kcaches[l], vcaches[l], pass, b,
                  profiling_ ? &times_ : nullptr);
     }
     torch::Tensor out = torch::empty({n, hidden}, x.options());
@@ -113,6 +114,7 @@ class NativeDecoder {
   std::vector<torch::Tensor> w_;
   std::vector<int64_t> kinds_;
   std::vector<c10::optional<torch::Tensor>> biases_;
+  std::vector<Projections> projections_;  // each layer's, prepared once (layer.h)
   torch::Tensor norm_, cos_, sin_;
   int64_t heads_, kv_heads_, d_, layers_ = 0, intermediate_ = 0;
   double eps_, scale_;

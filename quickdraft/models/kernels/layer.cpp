@@ -24,33 +24,29 @@
 
 namespace {
 
-void project_into(const torch::Tensor& x, const torch::Tensor& w, int64_t kind, const c10::optional<torch::Tensor>& bias,
-                  const torch::Tensor& y) {
-  if (kind != DENSE) {
-    linear_blocks_into(x, {w}, kind, x.size(1), {bias}, {y});
-  } else if (x.scalar_type() == torch::kFloat32) {
-    linear_f32_into(x, w, bias, y);
-  } else {
-    linear_bf16_into(x, w, bias, y);
-  }
-}
+// projection p's weight (0 q .. 6 down) among a layer's 9 (the two norms' weights among them)
+const torch::Tensor& weight_of(const torch::Tensor* w, int p) { return w[p < 4 ? 1 + p : 2 + p]; }
 
-// x times each of the ``count`` weights w[0..] of formats kinds[0..] into ys[0..]: runs of one
-// block format go in one call (blocks.cpp's linear_blocks_many), the same bits as one call each
-void project_all_into(const torch::Tensor& x, const torch::Tensor* w, const int64_t* kinds,
-                      const c10::optional<torch::Tensor>* biases, const torch::Tensor* ys, size_t count) {
-  for (size_t i = 0; i < count;) {
-    const int64_t kind = kinds[i];
-    size_t end = i + 1;
-    while (kind != DENSE && end < count && kinds[end] == kind) ++end;
-    if (end - i == 1) {
-      project_into(x, w[i], kind, biases[i], ys[i]);
-    } else {
-      linear_blocks_into(x, std::vector<torch::Tensor>(w + i, w + end), kind, x.size(1),
-                         std::vector<c10::optional<torch::Tensor>>(biases + i, biases + end),
-                         std::vector<torch::Tensor>(ys + i, ys + end));
+// stage s of the layer's projections (Projections::stages) over x into ys, indexed by projection
+// (0 q .. 6 down); w and biases as layer_into takes them, for the dense ones
+void project(const Projections& proj, int stage, const torch::Tensor& x, const torch::Tensor* w,
+             const c10::optional<torch::Tensor>* biases, const torch::Tensor* ys) {
+  const bool f32 = x.scalar_type() == torch::kFloat32;
+  for (const Projections::Run& run : proj.stages[stage]) {
+    if (run.kind == DENSE) {
+      for (int p = run.first; p < run.first + run.count; ++p) {
+        const c10::optional<torch::Tensor> bias = p < 3 ? biases[p] : c10::nullopt;
+        if (f32) {
+          linear_f32_into(x, weight_of(w, p), bias, ys[p]);
+        } else {
+          linear_bf16_into(x, weight_of(w, p), bias, ys[p]);
+        }
+      }
+      continue;
     }
-    i = end;
+    qd::Weights to = run.w;
+    for (int i = 0; i < run.count; ++i) to.ys[i] = qd::Out{ys[run.first + i].data_ptr(), f32};
+    run_blocks(run.kind, x.data_ptr(), f32, x.size(0), proj.inputs[stage], to);
   }
 }
 
@@ -156,15 +152,47 @@ Buffers Buffers::first(int64_t n) const {
   return b;
 }
 
-void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const int64_t* kinds,
+Projections Projections::of(const torch::Tensor* w, const int64_t* kinds, const c10::optional<torch::Tensor>* biases,
+                            int64_t hidden, int64_t heads_d, int64_t kv_heads_d, int64_t intermediate) {
+  Projections p;
+  const int64_t widths[7] = {heads_d, kv_heads_d, kv_heads_d, hidden, intermediate, intermediate, hidden};
+  const int64_t inputs[4] = {hidden, heads_d, hidden, intermediate};
+  const int bounds[5] = {0, 3, 4, 6, 7};  // each stage's first projection
+  for (int s = 0; s < 4; ++s) {
+    p.inputs[s] = inputs[s];
+    for (int i = bounds[s]; i < bounds[s + 1];) {
+      const int64_t kind = kinds[i];
+      int end = i + 1;
+      while (kind != DENSE && end < bounds[s + 1] && kinds[end] == kind) ++end;
+      Run run{kind, i, end - i, {}};
+      std::vector<torch::Tensor> ws;
+      std::vector<c10::optional<torch::Tensor>> bs;
+      for (int j = i; j < end; ++j) {
+        const torch::Tensor& wj = weight_of(w, j);
+        TORCH_CHECK(out_features(wj, kind) == widths[j], "projection ", j, ": ", out_features(wj, kind), " outputs, the layer needs ",
+                    widths[j]);
+        if (kind == DENSE) TORCH_CHECK(wj.dim() == 2 && wj.size(1) == inputs[s], "projection ", j, ": a dense [", widths[j], ", ",
+                                       inputs[s], "] weight");
+        ws.push_back(wj);
+        bs.push_back(j < 3 ? biases[j] : c10::nullopt);
+      }
+      if (kind != DENSE) run.w = block_weights(kind, inputs[s], ws, bs, p.keep);
+      p.stages[s].push_back(run);
+      i = end;
+    }
+  }
+  return p;
+}
+
+void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const Projections& proj,
                 const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
                 const Pass& pass, const Buffers& b, LayerTimes* times) {
   Laps laps(times);
   const int64_t n = x.size(0), d = kcache.size(3);
   rms_norm_into(x, w[0], pass.eps, b.h);
   laps.to(&LayerTimes::other);
-  const torch::Tensor qkv[3] = {b.q, b.k, b.v};
-  project_all_into(b.h, w + 1, kinds, biases, qkv, 3);
+  const torch::Tensor ys[7] = {b.q, b.k, b.v, b.o, b.gate, b.up, b.down};  // each projection's output
+  project(proj, 0, b.h, w, biases, ys);
   laps.to(&LayerTimes::matrices);
   // Rotary, the cache writes and a chain's attention go straight to rowwise.h and attention.h on the
   // workspace's and the caches' pointers (checked once a pass: Pass::check): each tensor view of
@@ -210,14 +238,12 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
   laps.to(&LayerTimes::attention);
   if (b.attn_x.data_ptr() != b.attn.data_ptr()) convert_into(b.attn, b.attn_x);  // the Python path's .to(x's dtype)
   laps.to(&LayerTimes::other);
-  project_into(b.attn_x, w[4], kinds[3], c10::nullopt, b.o);
+  project(proj, 1, b.attn_x, w, biases, ys);
   laps.to(&LayerTimes::matrices);
   add_into(x, b.o, b.mid);
   rms_norm_into(b.mid, w[5], pass.eps, b.h);
   laps.to(&LayerTimes::other);
-  const torch::Tensor gate_up[2] = {b.gate, b.up};
-  const c10::optional<torch::Tensor> no_bias[2] = {c10::nullopt, c10::nullopt};
-  project_all_into(b.h, w + 6, kinds + 4, no_bias, gate_up, 2);
+  project(proj, 2, b.h, w, biases, ys);
   laps.to(&LayerTimes::matrices);
   // silu(gate) * up, each in place: torch's silu (its exp's bits are torch's), then the product as
   // the Python path's multiply rounds it
@@ -225,7 +251,7 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
   at::silu_out(gate, gate);
   mul_into(gate, b.up, gate);
   laps.to(&LayerTimes::other);
-  project_into(gate, w[8], kinds[6], c10::nullopt, b.down);
+  project(proj, 3, gate, w, biases, ys);
   laps.to(&LayerTimes::matrices);
   add_into(b.mid, b.down, out);
   laps.to(&LayerTimes::other);
@@ -246,6 +272,8 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vecto
   TORCH_CHECK(kcache.scalar_type() == x.scalar_type(), "caches of x's dtype");
   const Buffers b = Buffers::allocate(n, x.size(1), heads, kv_heads, kcache.size(3), out_features(w[6], kinds[4]), x.options());
   torch::Tensor out = torch::empty_like(x, at::MemoryFormat::Contiguous);
-  layer_into(x, out, w.data(), kinds.data(), biases.data(), kcache, vcache, pass, b);
+  const Projections proj = Projections::of(w.data(), kinds.data(), biases.data(), x.size(1), heads * kcache.size(3),
+                                           kv_heads * kcache.size(3), out_features(w[6], kinds[4]));
+  layer_into(x, out, w.data(), proj, biases.data(), kcache, vcache, pass, b);
   return out;
 }

@@ -6,6 +6,8 @@
 
 #include <vector>
 
+#include "entry.h"  // qd::Weights
+
 constexpr int64_t DENSE = -1;  // a projection's kind: a dense weight of x's dtype; >= 0: a GGUF block format
 
 // What a pass's layers share: where its rows go and the model's shape. Sequence i's query_lens[i]
@@ -38,6 +40,24 @@ struct Buffers {
   Buffers first(int64_t n) const;
 };
 
+// A layer's seven projections (q, k, v, o, gate, up, down) as the kernels run them, checked and
+// prepared once: each run of one block format against the same x (q, k, v; gate, up) is one
+// run_blocks call on pointers, with no tensor made or checked per pass; a dense projection stays a
+// torch-bound call (linear.cpp).
+struct Projections {
+  struct Run {
+    int64_t kind;    // DENSE or a block format
+    int first, count;  // projections first .. first + count - 1 (0 q .. 6 down)
+    qd::Weights w;   // a block run's tiles and biases (outputs set per pass)
+  };
+  std::vector<Run> stages[4];       // q k v, o, gate up, down
+  int64_t inputs[4];                // each stage's x width: hidden, heads x d, hidden, intermediate
+  std::vector<torch::Tensor> keep;  // biases converted to the tiles' form
+  // w, kinds, biases as layer_into takes them; outputs: each projection's width (checked against the weights)
+  static Projections of(const torch::Tensor* w, const int64_t* kinds, const c10::optional<torch::Tensor>* biases,
+                        int64_t hidden, int64_t heads_d, int64_t kv_heads_d, int64_t intermediate);
+};
+
 // Where a layer's time goes, added to when a pass is profiled (NativeDecoder's profile): its
 // projections, its attention (the cache writes with it), and the rest (norms, rotary, the
 // elementwise steps and conversions).
@@ -49,10 +69,10 @@ struct LayerTimes {
 inline int64_t out_features(const torch::Tensor& w, int64_t kind) { return kind == DENSE ? w.size(0) : w.size(0) * 16; }
 
 // x [n, hidden] -> out [n, hidden] after one layer (out may be x itself: x is last read before out
-// is first written). w: input norm, q, k, v, o, post-attention norm, gate, up, down; kinds: the 7
-// projections' (DENSE or a block format); biases: q, k, v's; kcache, vcache: this layer's
+// is first written). w: input norm, q, k, v, o, post-attention norm, gate, up, down; proj: the
+// projections of w prepared (Projections::of); biases: q, k, v's; kcache, vcache: this layer's
 // [slots, kv_heads, max_len, d], written at the new tokens' positions. The pass's metadata must
 // have passed Pass::check. times: where the layer's time went is added there (nullptr: no clock is read).
-void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const int64_t* kinds,
+void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const Projections& proj,
                 const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
                 const Pass& pass, const Buffers& b, LayerTimes* times = nullptr);
