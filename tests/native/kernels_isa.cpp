@@ -145,12 +145,13 @@ void QD_NAME(store_bf16)(const float* x, uint16_t* y, int64_t n) {
 
 // rowwise.h on float32 (bf16 = 0) or bfloat16 values: op 0 RMSNorm of rows [n, h] (b: the weight
 // [h]), 1 a + b, 2 a * b, 3 a converted to the other dtype (y: float32 from bfloat16, or
-// bfloat16 from float32), over count = n * h values
+// bfloat16 from float32), 4 silu(a) * b, over count = n * h values
 void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, int64_t n, int64_t h) {
   auto run = [&](auto* A, auto* B, auto* Y) {
     if (op == 0) qd::rms_rows(A, B, Y, n, h, 1e-6f);
     if (op == 1) qd::add_values(A, B, Y, n * h);
     if (op == 2) qd::mul_values(A, B, Y, n * h);
+    if (op == 4) qd::silu_mul_values(A, B, Y, n * h);
   };
   if (op == 3) {
     if (bf16) qd::convert_values(static_cast<const uint16_t*>(a), static_cast<float*>(y), n * h);

@@ -201,7 +201,7 @@ float from_bits(uint32_t u) {
 float widen(uint16_t h) { return from_bits(static_cast<uint32_t>(h) << 16); }
 
 // rowwise.h: store_bf16 rounds as torch on every bit pattern class (ties both ways, overflow to
-// infinity, NaNs of either sign, subnormals); RMSNorm, add, multiply and the conversions give the
+// infinity, NaNs of either sign, subnormals); RMSNorm, add, multiply, SiLU and the conversions give the
 // portable bits in float32 and bfloat16, with tails (200 and 203 values), and round as torch does
 // (RMSNorm: close to the exact value)
 void test_rowwise(const Kernels& k, const Kernels& ref) {
@@ -270,6 +270,27 @@ void test_rowwise(const Kernels& k, const Kernels& ref) {
         once = once && (bf16 ? yh[i] == torch_bf16(want) : (y[i] == want || (std::isnan(y[i]) && std::isnan(want))));
       }
       check(once, isa + type + what + " rounds the float result once");
+    }
+    {  // SiLU(a) * b: the portable bits, each step rounded, close to the exact value
+      std::vector<float> y(count), yr(count);
+      std::vector<uint16_t> yh(count), yhr(count);
+      k.rowwise(4, bf16, a, b, bf16 ? static_cast<void*>(yh.data()) : y.data(), 1, count);
+      ref.rowwise(4, bf16, a, b, bf16 ? static_cast<void*>(yhr.data()) : yr.data(), 1, count);
+      check(bf16 ? yh == yhr : std::memcmp(y.data(), yr.data(), sizeof(float) * count) == 0, isa + type + " silu_mul equals portable");
+      double worst = 0.0;
+      bool special = true;
+      for (int64_t i = 0; i < count; ++i) {
+        const double s = A[i] / (1.0 + std::exp(-static_cast<double>(A[i])));
+        const double want = (bf16 ? widen(torch_bf16(static_cast<float>(s))) : s) * B[i];
+        const double v = bf16 ? widen(yh[i]) : y[i];
+        if (std::isnan(want) || std::isinf(want)) {
+          special = special && (std::isnan(want) ? std::isnan(v) : v == want);
+        } else {
+          worst = std::max(worst, std::abs(v - want) / (std::abs(want) + 1e-6));
+        }
+      }
+      check(special, isa + type + " silu_mul keeps NaN and infinity");
+      check(worst < (bf16 ? 8e-3 : 1e-6), isa + type + " silu_mul close to exact (" + std::to_string(worst) + ")");
     }
     std::vector<float> back(count);
     std::vector<uint16_t> narrow(count);

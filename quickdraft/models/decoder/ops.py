@@ -1,5 +1,6 @@
-"""The decoder's row-wise operations: the linear projection in every weight format, RMSNorm and
-rotary position embeddings, each on quickdraft's CPU kernels where they run and on torch elsewhere.
+"""The decoder's row-wise operations: the linear projection in every weight format, RMSNorm, the
+MLP's SiLU and rotary position embeddings, each on quickdraft's CPU kernels where they run and on
+torch elsewhere.
 
 Batch invariance (ARCHITECTURE.md point 11): the projections take quickdraft's own CPU kernels
 (kernels/linear.cpp), invariant by construction in float32, bfloat16 and int8 on every instruction
@@ -72,6 +73,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP's silu(gate) * up, each step rounded to the dtype; on the CPU in one call
+    (kernels/rowwise.h, with its own exponent: the same bits on every instruction set, which
+    torch's SiLU does not promise), elsewhere torch's."""
+    if gate.device.type == "cpu" and gate.dtype in (torch.float32, torch.bfloat16) and up.dtype == gate.dtype:
+        kernels = rowwise()
+        if kernels is not None:
+            return kernels.silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 class Rotary:

@@ -15,11 +15,10 @@ ARCHITECTURE.md point 11).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder.metadata import AttentionMetadata, attention_mask, tree_paths
-from quickdraft.models.decoder.ops import _bmm_rows, linear, rms_norm
+from quickdraft.models.decoder.ops import _bmm_rows, linear, rms_norm, silu_mul
 from quickdraft.models.kernels import chain_attention, tree_attention
 
 CHAIN_HEAD_DIMS = range(16, 257, 16)  # head sizes kernels/attention.cpp takes
@@ -41,7 +40,7 @@ class ReferenceLayers:
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], self.config.rms_norm_eps)
         gate = linear(h, w[p + "mlp.gate_proj.weight"])
         up = linear(h, w[p + "mlp.up_proj.weight"])
-        return x + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        return x + linear(silu_mul(gate, up), w[p + "mlp.down_proj.weight"])
 
     def _attention_sublayer(self, layer, x, positions, kv, meta) -> torch.Tensor:
         """x + the layer's attention over x (its keys and values written to ``kv`` on the way)."""

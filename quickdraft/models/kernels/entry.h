@@ -53,6 +53,7 @@ void rotary_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::
                  const torch::Tensor& y);
 void add_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
 void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
 void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
 

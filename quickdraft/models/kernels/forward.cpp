@@ -9,11 +9,10 @@
 // pass has more rows than any before. The pass's metadata is handed in once, and checked
 // against each layer's caches before the first layer runs (a few comparisons a sequence).
 //
-// What still allocates per layer: torch's own bookkeeping inside silu_out (the one torch
-// operation left in a layer), and for a token tree the
-// views of its rows and caches (select, narrow, view: metadata only, no storage); a chain's rotary,
-// cache writes and attention run on pointers (layer.cpp). Per pass: the workspace's views of its
-// first n rows, and the returned hidden states (and the captured ones), which outlive the call.
+// What still allocates per layer: for a token tree, the views of its rows and caches (select,
+// narrow, view: metadata only, no storage); a chain's layers run on pointers (layer.cpp). Per
+// pass: the workspace's views of its first n rows, and the returned hidden states (and the
+// captured ones), which outlive the call.
 #include <torch/extension.h>
 
 #include <mutex>

@@ -41,6 +41,15 @@ void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tenso
   binary_into(a, b, out, [](auto* x, auto* y, auto* o, int64_t count) { qd::mul_values(x, y, o, count); });
 }
 
+// silu(gate) * up, elementwise, rounded after each step (rowwise.h's silu_mul_values) -> a new
+// contiguous tensor of gate's dtype
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  auto out = torch::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  binary_into(gate.contiguous(), up.contiguous(), out,
+              [](auto* g, auto* u, auto* o, int64_t count) { qd::silu_mul_values(g, u, o, count); });
+  return out;
+}
+
 // dst = src in dst's dtype (float32 <-> bfloat16, rounded to nearest even as torch's copy_), both
 // contiguous and of one size
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst) {
