@@ -46,14 +46,16 @@ struct Buffers {
 // torch-bound call (linear.cpp).
 struct Projections {
   struct Run {
-    int64_t kind;    // DENSE or a block format
+    int64_t kind;      // DENSE or a block format
     int first, count;  // projections first .. first + count - 1 (0 q .. 6 down)
-    qd::Weights w;   // a block run's tiles and biases (outputs set per pass)
+    qd::Weights w;     // a block run's tiles and biases (outputs set per pass)
   };
   std::vector<Run> stages[4];       // q k v, o, gate up, down
   int64_t inputs[4];                // each stage's x width: hidden, heads x d, hidden, intermediate
   std::vector<torch::Tensor> keep;  // biases converted to the tiles' form
-  // w, kinds, biases as layer_into takes them; outputs: each projection's width (checked against the weights)
+  // w: a layer's 9 weights as layer_into takes them, kinds: the 7 projections' formats, biases: q,
+  // k, v's; the widths of the layer's buffers (hidden, heads x d, kv heads x d, intermediate), which
+  // each projection's output is checked against
   static Projections of(const torch::Tensor* w, const int64_t* kinds, const c10::optional<torch::Tensor>* biases,
                         int64_t hidden, int64_t heads_d, int64_t kv_heads_d, int64_t intermediate);
 };
