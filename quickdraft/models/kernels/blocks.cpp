@@ -23,15 +23,24 @@ T* scratch(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// run(std::integral_constant<int, KIND>()) for block format ``kind``; an unknown one fails
+template <typename Run>
+auto with_kind(int64_t kind, Run run) {
+  return qd::by_kind(kind, [&](auto k) {
+    constexpr int KIND = decltype(k)::value;
+    TORCH_CHECK(KIND >= 0, "unknown block format ", kind);
+    return run(std::integral_constant<int, KIND < 0 ? 0 : KIND>());
+  });
+}
+
 }  // namespace
 
 // x [M, K] (float32, or bfloat16 as uint16_t) times the weights of w, its tiles, biases and outputs
 // set, on raw pointers: x quantized into this thread's scratch, then the tiles (on AMX where it
 // takes the pass)
 void run_blocks(int64_t kind, const void* x, bool f32, int64_t M, int64_t K, const qd::Weights& w) {
-  qd::by_kind(kind, [&](auto k) {
-    constexpr int KIND = decltype(k)::value < 0 ? 0 : decltype(k)::value;
-    TORCH_CHECK(decltype(k)::value >= 0, "unknown block format ", kind);
+  with_kind(kind, [&](auto k) {
+    constexpr int KIND = decltype(k)::value;
     const int64_t nb = K / Format<KIND>::L;
     thread_local std::vector<int8_t> qbuf;
     thread_local std::vector<float> xsbuf, qsbuf;
@@ -56,10 +65,8 @@ void run_blocks(int64_t kind, const void* x, bool f32, int64_t M, int64_t K, con
 
 qd::Weights block_weights(int64_t kind, int64_t K, const std::vector<torch::Tensor>& ws,
                           const std::vector<c10::optional<torch::Tensor>>& biases, std::vector<torch::Tensor>& keep) {
-  return qd::by_kind(kind, [&](auto k) {
-    constexpr int KIND = decltype(k)::value < 0 ? 0 : decltype(k)::value;
-    TORCH_CHECK(decltype(k)::value >= 0, "unknown block format ", kind);
-    using F = Format<KIND>;
+  return with_kind(kind, [&](auto k) {
+    using F = Format<decltype(k)::value>;
     TORCH_CHECK(K % F::L == 0 && (!F::SUPER || K % (F::L * F::SUPER) == 0), "K a multiple of the block and super-block");
     TORCH_CHECK(!ws.empty() && ws.size() <= qd::Weights::MAX && biases.size() == ws.size(), "1 to 4 weights, a bias (or None) each");
     qd::Weights w;
@@ -92,10 +99,9 @@ qd::Weights block_weights(int64_t kind, int64_t K, const std::vector<torch::Tens
 
 namespace {
 
-// into: null, or one output a weight [M, tiles * 16] of x's dtype, contiguous, written in place;
-// null allocates them
-template <int KIND>
-std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t K,
+// x [M, K] against ws of format ``kind``, checked; into: null, or one output a weight [M, tiles * 16]
+// of x's dtype, contiguous, written in place; null allocates them
+std::vector<torch::Tensor> run(int64_t kind, const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t K,
                                const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<torch::Tensor>* into) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
@@ -103,7 +109,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
   TORCH_CHECK(into == nullptr || into->size() == ws.size(), "one output a weight");
   const int64_t M = x.size(0);
   std::vector<torch::Tensor> outs, keep;
-  qd::Weights w = block_weights(KIND, K, ws, biases, keep);
+  qd::Weights w = block_weights(kind, K, ws, biases, keep);
   for (int i = 0; i < w.count; ++i) {
     const int64_t N = ws[i].size(0) * LANES;  // the padded rows too: the caller drops them
     if (into == nullptr) {
@@ -116,17 +122,8 @@ std::vector<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::
     }
     w.ys[i] = qd::Out{outs.back().data_ptr(), x.scalar_type() == torch::kFloat32};
   }
-  run_blocks(KIND, x.data_ptr(), x.scalar_type() == torch::kFloat32, M, K, w);
+  run_blocks(kind, x.data_ptr(), x.scalar_type() == torch::kFloat32, M, K, w);
   return outs;
-}
-
-template <typename Run>
-auto with_kind(int64_t kind, Run run) {
-  return qd::by_kind(kind, [&](auto k) {
-    constexpr int KIND = decltype(k)::value;
-    TORCH_CHECK(KIND >= 0, "unknown block format ", kind);
-    return run(std::integral_constant<int, KIND < 0 ? 0 : KIND>());
-  });
 }
 
 }  // namespace
@@ -134,19 +131,19 @@ auto with_kind(int64_t kind, Run run) {
 // x [M, K] float32 or bfloat16, w [tiles, bytes] uint8 in ``kind``'s layout -> [M, tiles * 16] in x's
 // dtype (the rows that pad the last tile are the caller's to drop)
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, c10::optional<torch::Tensor> bias) {
-  return with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, {w}, K, {bias}, nullptr); })[0];
+  return run(kind, x, {w}, K, {bias}, nullptr)[0];
 }
 
 // the same for up to 4 weights of one format against the same x -> one output each
 std::vector<torch::Tensor> linear_blocks_many(torch::Tensor x, std::vector<torch::Tensor> ws, int64_t kind, int64_t K,
                                               std::vector<c10::optional<torch::Tensor>> biases) {
-  return with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, ws, K, biases, nullptr); });
+  return run(kind, x, ws, K, biases, nullptr);
 }
 
 // the same into given outputs ys (one a weight, [M, tiles * 16] of x's dtype, contiguous)
 void linear_blocks_into(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, int64_t kind, int64_t K,
                         const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<torch::Tensor>& ys) {
-  with_kind(kind, [&](auto k) { return run<decltype(k)::value>(x, ws, K, biases, &ys); });
+  run(kind, x, ws, K, biases, &ys);
 }
 
 double vnni_rate(int64_t runs) { return qd::dot_rate(runs); }
