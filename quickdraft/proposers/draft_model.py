@@ -11,6 +11,10 @@ proposal, with no copy and no recomputation of what it already holds. A finished
 keys stay in its slot with ``_cached[slot]`` for the prefix cache (engine/prefix_cache.py): a new
 prompt that shares a prefix with them keeps them (``reuse``), in place or copied like the target's.
 
+Greedy chains without a grammar run every draft pass in one native call where the kernels run
+the draft (``_native_chains``, models/decoder/native.py's ``chains``): the same tokens and cache
+bits as the Python loop, with no Python between the passes.
+
 Three options trade nothing but speed: ``draft_confidence_threshold`` ends a sequence's draft
 early once the draft's own probability of its token drops below it, ``quantization`` runs the
 draft in int8 (models/quant.py), and ``draft_vocab_size`` (or ``draft_vocab_file``) truncates the
@@ -38,7 +42,7 @@ import torch
 
 from quickdraft.cost import calibrate, key_reads
 from quickdraft.kv_cache import KVCache
-from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
 from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
@@ -66,6 +70,8 @@ class DraftModelProposer:
         self._cached = [0] * num_slots
         # one draft pass's seconds by rows, for the engine's K planning; refitted on every pass
         self.cost = calibrate(draft, self.kv) if calibrate_cost else None
+        # greedy chains in one native call, where the kernels take the draft's table and head
+        self.native_chains = draft.native is not None and draft.native.set_head(draft, self.head_ids)
 
     @classmethod
     def from_config(cls, spec, ctx):
@@ -94,6 +100,9 @@ class DraftModelProposer:
         # a grammar walks along the draft's own tokens, so that each is drawn under its mask; it
         # steps back before verification (structured.py, "draft masks")
         grammars = {i: seqs[i].grammar for i in active if seqs[i].grammar is not None}
+        if (self.native_chains and self.model.native.one_call and active and not sampled and not grammars
+                and max(len(feed[i]) for i in active) <= MAX_ROW_BY_ROW):
+            return self._native_chains(seqs, num_tokens, active, feed)
         walked = dict.fromkeys(grammars, 0)
         try:
             for step in range(max(num_tokens, default=0)):
@@ -136,6 +145,29 @@ class DraftModelProposer:
         flat = [t for d in drafts for t in d]
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
+
+    def _native_chains(self, seqs, num_tokens: list[int], active: list[int], feed: dict[int, list[int]]) -> DraftProposal:
+        """The greedy chains of ``active`` in one native call: the Python loop's tokens and cache,
+        and its cost observations, each pass timed inside the call."""
+        slots = [seqs[i].slot for i in active]
+        cached = [self._cached[slot] for slot in slots]
+        feeds = [feed[i] for i in active]
+        drafted, seconds = self.model.native.chains(self.kv, slots, cached, feeds, [num_tokens[i] for i in active],
+                                                    self.threshold)
+        if self.cost is not None:  # pass p read the feeds (p = 0), then each chain still drafting its last token
+            ctx, rows = list(cached), [len(f) for f in feeds]
+            for p, spent in enumerate(seconds):
+                on = [a for a, d in enumerate(drafted) if len(d) > p]
+                if max(rows[a] for a in on) <= MAX_OBSERVED_FEED:
+                    self.cost.observe(sum(rows[a] for a in on), spent, len(on), sum(key_reads(ctx[a], rows[a]) for a in on))
+                for a in on:
+                    ctx[a] += rows[a]
+                    rows[a] = 1
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for a, (i, slot) in enumerate(zip(active, slots)):
+            drafts[i] = drafted[a]
+            self._cached[slot] += len(feeds[a]) + len(drafted[a]) - 1  # the last draft token is not read
+        return DraftProposal(torch.tensor([t for d in drafts for t in d], dtype=torch.long), [len(d) for d in drafts], None)
 
     def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
         """A token tree for each sequence, grown as EAGLE-2 does (Li et al. 2024, "dynamic draft

@@ -6,6 +6,10 @@ KV caches are reference.py's bit for bit (tests/models/test_fused_layer.py,
 test_native_forward.py). The one-call pass keeps the weights, as the kernels take them, in a C++
 object made once, and a workspace of activations that every layer of every pass reuses: a draft's
 one-row pass makes one call from Python instead of one (and ~18 allocations) a layer.
+
+A draft model's greedy chains go one step further (``chains``): all K passes, with the token
+table's rows, the output head and the argmax between them, in one call, so that no Python runs
+between a draft's passes (~1 ms a pass before, of the 0.5B draft's ~14; proposers/draft_model.py).
 """
 
 from __future__ import annotations
@@ -72,6 +76,39 @@ class NativeLayers:
                       for b in (decoder.w.get(p + n + ".bias") for n in PROJECTIONS[:3])]
             layers.append((weights, kinds, biases))
         return cls(decoder, layers)
+
+    def set_head(self, decoder, head_ids: torch.Tensor | None) -> bool:
+        """Hand ``decoder``'s token table and output head to the kernels, for ``chains``;
+        ``head_ids`` [N]: a truncated head's vocabulary id of each row (None: row r is token r).
+        False where either is in a form the kernels do not take."""
+        tables = []
+        for w in (decoder.w["model.embed_tokens.weight"], decoder.lm_head):
+            if isinstance(w, BlockWeight) and w.in_features == self.config.hidden_size:
+                tables += [w.data, w.format.kind, w.out_features]
+            elif isinstance(w, torch.Tensor) and w.dtype == decoder.dtype and w.dim() == 2 and w.is_contiguous():
+                tables += [w, DENSE, w.shape[0]]
+            else:
+                return False
+        self._model.set_head(*tables, None if head_ids is None else head_ids.to("cpu", torch.long).contiguous())
+        return True
+
+    @torch.inference_mode()  # as Decoder.forward: the caches and the workspace are inference tensors
+    def chains(self, kv: KVCache, slots: list[int], cached: list[int], feeds: list[list[int]], ks: list[int],
+               threshold: float) -> tuple[list[list[int]], list[float]]:
+        """Greedy draft chains in one call (after ``set_head``): sequence i reads ``feeds[i]`` at
+        positions ``cached[i]``.. of slot ``slots[i]``, then drafts the head's argmax pass by pass,
+        each token read by the next pass, until it has ``ks[i]`` tokens or its last token's
+        probability (the head's softmax) is below ``threshold`` (<= 0: never); its last token is
+        not read. What DraftModelProposer's Python loop does, greedy, with the same bits. ->
+        (each sequence's draft tokens, each pass's seconds)."""
+        tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long)
+        out, counts, seconds = self._model.chains(tokens, kv.keys, kv.values, slots, cached, [len(f) for f in feeds], ks,
+                                                  threshold)
+        flat, drafts, at = out.tolist(), [], 0
+        for n in counts.tolist():
+            drafts.append(flat[at : at + n])
+            at += n
+        return drafts, seconds.tolist()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata, trees,
                 num_layers: int, capture: tuple[int, ...]) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":

@@ -13,16 +13,133 @@
 // narrow, view: metadata only, no storage); a chain's layers run on pointers (layer.cpp). Per
 // pass: the workspace's views of its first n rows, and the returned hidden states (and the
 // captured ones), which outlive the call.
+//
+// A draft model's greedy chains run here too, all K passes in one call (chains(): the token
+// table's rows, the layers, the output head and the argmax between them), so that Python does
+// not run between a draft's passes (proposers/draft_model.py).
 #include <torch/extension.h>
 
+#include <chrono>
+#include <cmath>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "entry.h"
 #include "layer.h"
 
 namespace {
+
+float half_bits(const uint8_t* p) {  // a float16 field, as numpy's astype(float32) reads it
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Row `row` of a matrix in blocks.h's tiles (K inputs) as models/ggml.py's _dequantize gives it:
+// (q - offset) x scale (- min), each an IEEE float32 operation in that order, scale = sc x d and
+// min = mn x dmin for the K-quants. A token's embedding: dequantizing one row of its tile costs
+// ~1 us, where numpy unpacked the whole tile.
+template <int KIND>
+void block_row(const uint8_t* tiles, int64_t K, int64_t row, float* out) {
+  using F = qd::Format<KIND>;
+  constexpr int HALF = F::STEPS / 2;
+  const int64_t blocks = K / F::L;
+  const uint8_t* p = tiles + row / qd::LANES * F::tile_bytes(blocks);
+  const int l = static_cast<int>(row % qd::LANES);
+  float d = 0.0f, dmin = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if constexpr (F::SUPER > 0) {
+      if (b % F::SUPER == 0) {
+        d = half_bits(p + 2 * l);
+        if constexpr (F::MIN) dmin = half_bits(p + 32 + 2 * l);
+        p += F::SUPER_BYTES;
+      }
+    }
+    const uint8_t* fields = p + F::VECTORS * 64;
+    float scale, mn = 0.0f;
+    if constexpr (KIND == qd::Q4_K) {
+      scale = static_cast<float>(fields[l]) * d;
+      mn = static_cast<float>(fields[16 + l]) * dmin;
+    } else if constexpr (KIND == qd::Q6_K) {
+      scale = static_cast<float>(static_cast<int8_t>(fields[l])) * d;
+    } else {
+      scale = half_bits(fields + 2 * l);
+      if constexpr (F::MIN) mn = half_bits(fields + 32 + 2 * l);
+    }
+    for (int s = 0; s < F::STEPS; ++s) {
+      for (int e = 0; e < 4; ++e) {
+        int q;
+        if constexpr (F::BITS == 8) {
+          q = p[64 * s + 4 * l + e];
+        } else {  // step s in the low nibbles of vector s, step s + HALF in the high ones
+          const uint8_t c = p[64 * (s % HALF) + 4 * l + e];
+          q = s < HALF ? c & 0x0f : c >> 4;
+          if constexpr (F::BITS > 4) {  // the high bits: step s's at bits W x s of vector HALF
+            constexpr int W = F::BITS - 4;
+            q |= ((p[64 * HALF + 4 * l + e] >> (W * s)) & ((1 << W) - 1)) << 4;
+          }
+        }
+        float v = (static_cast<float>(q) - static_cast<float>(F::OFFSET)) * scale;
+        if constexpr (F::MIN) v = v - mn;
+        out[b * F::L + 4 * s + e] = v;
+      }
+    }
+    p += F::BLOCK_BYTES;
+  }
+}
+
+template <typename T>
+inline float value_of(const T* x, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x[i];
+  } else {
+    return simd::from_bf16(x[i]);
+  }
+}
+
+template <typename T>
+inline simd::F16 load16(const T* x, int64_t i, int64_t n, float pad) {  // x[i..i+15], past n: pad
+  if (i + 16 <= n) return simd::load_f(x + i);
+  alignas(64) float t[16];
+  for (int j = 0; j < 16; ++j) t[j] = i + j < n ? value_of(x, i + j) : pad;
+  return simd::load_f(t);
+}
+
+// A row of logits [n] -> its argmax as sampling.argmax_rows takes it (the lowest index on ties,
+// the first NaN where there is one) and, when `confidence`, that token's probability under the
+// softmax at temperature 1, 1 / sum(e^(x - max)) (simd.h's exp_neg; torch's softmax adds in
+// another order, so the two may differ in the last bits: the probability only decides where a
+// draft stops, never what the target accepts).
+template <typename T>
+std::pair<int64_t, float> choose(const T* x, int64_t n, bool confidence) {
+  simd::F16 top = simd::set1_f(-INFINITY), nonfinite = simd::zero_f();
+  const simd::F16 zero = simd::zero_f();
+  for (int64_t i = 0; i < n; i += 16) {
+    const simd::F16 v = load16(x, i, n, -INFINITY);
+    top = simd::max(top, v);
+    nonfinite = simd::add(nonfinite, simd::mul(zero, load16(x, i, n, 0.0f)));  // NaN where any is inf or NaN
+  }
+  int64_t best = 0;
+  float m;
+  if (std::isnan(simd::reduce_add(nonfinite))) {  // the rare row with an infinity or a NaN: one value at a time
+    m = value_of(x, 0);
+    for (int64_t i = 1; i < n && !std::isnan(m); ++i) {
+      const float v = value_of(x, i);
+      if (v > m || std::isnan(v)) best = i, m = v;
+    }
+    if (!std::isfinite(m)) return {best, NAN};  // torch's softmax: NaN
+  } else {
+    m = simd::reduce_max(top);
+    while (value_of(x, best) != m) ++best;
+  }
+  if (!confidence) return {best, 1.0f};
+  simd::F16 sum = simd::zero_f();
+  const simd::F16 minus = simd::set1_f(-m);
+  for (int64_t i = 0; i < n; i += 16) sum = simd::add(sum, simd::exp_neg(simd::add(load16(x, i, n, -INFINITY), minus)));
+  return {best, 1.0f / simd::reduce_add(sum)};
+}
 
 class NativeDecoder {
  public:
@@ -87,29 +204,217 @@ class NativeDecoder {
     }
     // one pass at a time: the workspace is the object's (a Decoder shared by threads takes turns)
     std::lock_guard<std::mutex> lock(mutex_);
-    if (ws_rows_ < n || !ws_.h.defined() || ws_.h.scalar_type() != x.scalar_type() || ws_.h.size(1) != hidden) {
-      ws_ = Buffers::allocate(n, hidden, heads_, kv_heads_, d_, intermediate_, x.options());
-      stream_ = torch::empty({n, hidden}, x.options());
-      ws_rows_ = n;
-    }
-    const Buffers b = ws_.first(n);
-    torch::Tensor stream = stream_.narrow(0, 0, n);  // the residual stream, each layer's output over its input
+    torch::Tensor stream = workspace(n, x.options());  // the residual stream, each layer's output over its input
     stream.copy_(x);
     torch::Tensor captured;
     if (!capture.empty()) captured = torch::empty({n, static_cast<int64_t>(capture.size()) * hidden}, x.options());
+    torch::Tensor out = torch::empty({n, hidden}, x.options());
+    layers(stream, pass, kcaches, vcaches, num_layers, capture, captured, out);
+    if (capture.empty()) return {out};
+    return {out, captured};
+  }
+
+  // A draft's token table and output head, for chains(): embed [vocab, hidden] and head
+  // [head_rows, hidden], each dense in the model's dtype (kind DENSE) or in block tiles (kind a
+  // block format); head_ids [head_rows] int64: the vocabulary id of each head row (a truncated
+  // head), or None (row r is token r).
+  void set_head(torch::Tensor embed, int64_t embed_kind, int64_t vocab, torch::Tensor head, int64_t head_kind, int64_t head_rows,
+                c10::optional<torch::Tensor> head_ids) {
+    const int64_t hidden = norm_.size(0);
+    for (auto [w, kind, rows] : {std::tuple{&embed, embed_kind, vocab}, std::tuple{&head, head_kind, head_rows}}) {
+      TORCH_CHECK(w->is_contiguous() && w->dim() == 2 && rows > 0, "a contiguous table");
+      if (kind == DENSE) {
+        TORCH_CHECK(w->scalar_type() == norm_.scalar_type() && w->size(1) == hidden && w->size(0) == rows,
+                    "a dense table [rows, hidden] of the model's dtype");
+      } else {
+        TORCH_CHECK(w->scalar_type() == torch::kUInt8 && w->size(0) * qd::LANES >= rows && (w->size(0) - 1) * qd::LANES < rows,
+                    "block tiles of 16 rows each");
+        qd::by_kind(kind, [&](auto k) {
+          constexpr int KIND = decltype(k)::value;
+          if constexpr (KIND >= 0) {
+            TORCH_CHECK(hidden % qd::Format<KIND>::L == 0 && w->size(1) == qd::Format<KIND>::tile_bytes(hidden / qd::Format<KIND>::L),
+                        "tiles of the model's hidden size");
+          } else {
+            TORCH_CHECK(false, "no block format ", kind);
+          }
+        });
+      }
+    }
+    if (head_ids) {
+      TORCH_CHECK(head_ids->scalar_type() == torch::kInt64 && head_ids->is_contiguous() && head_ids->numel() == head_rows,
+                  "one int64 id a head row");
+      const int64_t* id = head_ids->data_ptr<int64_t>();
+      for (int64_t r = 0; r < head_rows; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < vocab, "head row ", r, "'s id ", id[r], " is past the table");
+    } else {
+      TORCH_CHECK(head_rows <= vocab, "a head of at most the table's rows");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    embed_ = std::move(embed), embed_kind_ = embed_kind, vocab_ = vocab;
+    head_ = std::move(head), head_kind_ = head_kind, head_rows_ = head_rows;
+    head_ids_ = head_ids ? *head_ids : torch::Tensor();
+    head_keep_.clear();
+    if (head_kind_ != DENSE) head_w_ = block_weights(head_kind_, hidden, {head_}, {c10::nullopt}, head_keep_);
+  }
+
+  // Greedy draft chains, every pass of them in one call (proposers/draft_model.py). Sequence i
+  // first reads its query_lens[i] tokens (the ones its cache lacks, in `tokens` one sequence
+  // after another) at positions context_lens[i].. of slot slots[i]; each pass then takes the
+  // head's argmax at each sequence's last row as its next draft token (sampling.argmax_rows' ties)
+  // and the next pass reads it, until sequence i has ks[i] tokens or a token's probability under
+  // the head's softmax is below `threshold` (that token is its last; threshold <= 0: never). A
+  // sequence's last token is not read. -> [tokens [sum of counts] int64, vocabulary ids sequence
+  // by sequence; counts [batch] int64; seconds [passes] float64, each pass's own]
+  std::vector<torch::Tensor> chains(torch::Tensor tokens, std::vector<torch::Tensor> kcaches, std::vector<torch::Tensor> vcaches,
+                                    std::vector<int64_t> slots, std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
+                                    std::vector<int64_t> ks, double threshold) {
+    const size_t batch = slots.size();
+    std::lock_guard<std::mutex> lock(mutex_);  // one pass at a time, and set_head not in between
+    TORCH_CHECK(embed_.defined(), "set_head first");
+    TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && tokens.is_contiguous(), "tokens [n] int64");
+    TORCH_CHECK(batch > 0 && context_lens.size() == batch && query_lens.size() == batch && ks.size() == batch,
+                "one slot, context, length and K a sequence");
+    TORCH_CHECK(kcaches.size() == static_cast<size_t>(layers_) && vcaches.size() == kcaches.size(), "a key and a value cache a layer");
+    int64_t fed = 0;
+    for (size_t i = 0; i < batch; ++i) {
+      TORCH_CHECK(ks[i] > 0 && query_lens[i] > 0, "sequence ", i, ": at least one token to read and one to draft");
+      fed += query_lens[i];
+    }
+    TORCH_CHECK(fed == tokens.numel(), "the query lengths add up to ", fed, ", tokens has ", tokens.numel());
+    const int64_t* in = tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < fed; ++r) TORCH_CHECK(in[r] >= 0 && in[r] < vocab_, "token ", in[r], " is past the table's ", vocab_, " rows");
+    const auto options = norm_.options();
+    const int64_t hidden = norm_.size(0), padded = head_kind_ == DENSE ? head_rows_ : head_.size(0) * qd::LANES;
+    const int64_t* ids = head_ids_.defined() ? head_ids_.data_ptr<int64_t>() : nullptr;
+    const bool f32 = norm_.scalar_type() == torch::kFloat32;
+    std::vector<std::vector<int64_t>> drafts(batch);
+    std::vector<size_t> active(batch);
+    for (size_t i = 0; i < batch; ++i) active[i] = i;
+    std::vector<int64_t> feed(in, in + fed);
+    std::vector<double> times;
+    while (!active.empty()) {
+      const auto started = std::chrono::steady_clock::now();
+      const int64_t n = static_cast<int64_t>(feed.size()), m = static_cast<int64_t>(active.size());
+      torch::Tensor stream = workspace(n, options);
+      embed_into(feed, stream);
+      torch::Tensor positions = torch::empty({n}, torch::kInt64);
+      int64_t* pos = positions.data_ptr<int64_t>();
+      std::vector<int64_t> s(m), c(m), q(m);
+      for (int64_t a = 0, r = 0; a < m; ++a) {
+        const size_t i = active[a];
+        s[a] = slots[i], c[a] = context_lens[i], q[a] = query_lens[i];
+        for (int64_t j = 0; j < q[a]; ++j) pos[r++] = c[a] + j;
+      }
+      const Pass pass{positions, cos_, sin_, std::move(s), std::move(c), std::move(q), std::vector<c10::optional<torch::Tensor>>(m),
+                      std::vector<c10::optional<torch::Tensor>>(m), heads_, kv_heads_, eps_, scale_};
+      for (int64_t l = 0; l < layers_; ++l) {
+        pass.check(n, kcaches[l], vcaches[l]);
+        TORCH_CHECK(kcaches[l].size(3) == d_ && kcaches[l].scalar_type() == norm_.scalar_type(), "caches of the model's head size and dtype");
+      }
+      torch::Tensor normed = normed_.narrow(0, 0, n);
+      layers(stream, pass, kcaches, vcaches, layers_, {}, torch::Tensor(), normed);
+      torch::Tensor last = normed;  // each sequence's last row
+      if (n > m) {
+        last = last_.narrow(0, 0, m);
+        for (int64_t a = 0, r = 0; a < m; ++a) {
+          r += pass.query_lens[a];
+          last[a].copy_(normed[r - 1]);
+        }
+      }
+      if (!logits_.defined() || logits_.size(0) < m || logits_.size(1) != padded || logits_.scalar_type() != norm_.scalar_type())
+        logits_ = torch::empty({std::max<int64_t>(m, logits_.size(0)), padded}, options);
+      torch::Tensor logits = logits_.narrow(0, 0, m);
+      if (head_kind_ == DENSE) {
+        (f32 ? linear_f32_into : linear_bf16_into)(last, head_, c10::nullopt, logits);
+      } else {
+        qd::Weights w = head_w_;
+        w.ys[0] = qd::Out{logits.data_ptr(), f32};
+        run_blocks(head_kind_, last.data_ptr(), f32, m, hidden, w);
+      }
+      feed.clear();
+      std::vector<size_t> next;
+      for (int64_t a = 0; a < m; ++a) {
+        const size_t i = active[a];
+        const auto [row, p] = f32 ? choose(logits[a].data_ptr<float>(), head_rows_, threshold > 0)
+                                  : choose(reinterpret_cast<const uint16_t*>(logits[a].data_ptr()), head_rows_, threshold > 0);
+        const int64_t token = ids ? ids[row] : row;
+        drafts[i].push_back(token);
+        context_lens[i] += query_lens[i];
+        query_lens[i] = 1;
+        if (static_cast<int64_t>(drafts[i].size()) < ks[i] && (threshold <= 0 || p >= static_cast<float>(threshold))) {
+          next.push_back(i);
+          feed.push_back(token);
+        }
+      }
+      active = std::move(next);
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    }
+    torch::Tensor counts = torch::empty({static_cast<int64_t>(batch)}, torch::kInt64);
+    int64_t total = 0;
+    for (size_t i = 0; i < batch; ++i) total += counts.data_ptr<int64_t>()[i] = static_cast<int64_t>(drafts[i].size());
+    torch::Tensor out = torch::empty({total}, torch::kInt64);
+    int64_t* o = out.data_ptr<int64_t>();
+    for (const auto& d : drafts) o = std::copy(d.begin(), d.end(), o);
+    return {out, counts, torch::tensor(times, torch::kFloat64)};
+  }
+
+ private:
+  // the workspace for n rows of x's options, grown when a pass has more rows than any before -> the
+  // residual stream's first n rows
+  torch::Tensor workspace(int64_t n, const torch::TensorOptions& options) {
+    const int64_t hidden = norm_.size(0);
+    if (ws_rows_ < n || !ws_.h.defined() || ws_.h.scalar_type() != c10::typeMetaToScalarType(options.dtype())) {
+      ws_ = Buffers::allocate(n, hidden, heads_, kv_heads_, d_, intermediate_, options);
+      stream_ = torch::empty({n, hidden}, options);
+      normed_ = torch::empty({n, hidden}, options);
+      last_ = torch::empty({n, hidden}, options);
+      ws_rows_ = n;
+    }
+    return stream_.narrow(0, 0, n);
+  }
+
+  // The first num_layers layers over the residual stream [n, hidden] (in place), the states entering
+  // the `capture` layers copied into `captured`, then the final norm into out (the caller holds mutex_)
+  void layers(const torch::Tensor& stream, const Pass& pass, const std::vector<torch::Tensor>& kcaches,
+              const std::vector<torch::Tensor>& vcaches, int64_t num_layers, const std::vector<int64_t>& capture,
+              const torch::Tensor& captured, const torch::Tensor& out) {
+    const int64_t hidden = stream.size(1);
+    const Buffers b = ws_.first(stream.size(0));
     for (int64_t l = 0; l < num_layers; ++l) {
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == l) captured.narrow(1, c * hidden, hidden).copy_(stream);
       layer_into(stream, stream, &w_[9 * l], projections_[l], &biases_[3 * l], kcaches[l], vcaches[l], pass, b,
                  profiling_ ? &times_ : nullptr);
     }
-    torch::Tensor out = torch::empty({n, hidden}, x.options());
     rms_norm_into(stream, norm_, eps_, out);
-    if (capture.empty()) return {out};
-    return {out, captured};
   }
 
- private:
+  // the table's rows of `tokens` into x [tokens, hidden]
+  void embed_into(const std::vector<int64_t>& tokens, const torch::Tensor& x) const {
+    const int64_t hidden = x.size(1), n = static_cast<int64_t>(tokens.size());
+    const bool f32 = x.scalar_type() == torch::kFloat32;
+    if (embed_kind_ == DENSE) {
+      const size_t bytes = hidden * x.element_size();
+      const auto* from = static_cast<const uint8_t*>(embed_.data_ptr());
+      for (int64_t r = 0; r < n; ++r) std::memcpy(static_cast<uint8_t*>(x.data_ptr()) + r * bytes, from + tokens[r] * bytes, bytes);
+      return;
+    }
+    std::vector<float> row(hidden);
+    qd::by_kind(embed_kind_, [&](auto k) {
+      constexpr int KIND = decltype(k)::value;
+      if constexpr (KIND >= 0) {
+        for (int64_t r = 0; r < n; ++r) {
+          block_row<KIND>(embed_.data_ptr<uint8_t>(), hidden, tokens[r], row.data());
+          if (f32) {
+            std::memcpy(x.data_ptr<float>() + r * hidden, row.data(), hidden * sizeof(float));
+          } else {
+            auto* y = reinterpret_cast<uint16_t*>(x.data_ptr()) + r * hidden;
+            for (int64_t j = 0; j < hidden; ++j) y[j] = simd::to_bf16(row[j]);
+          }
+        }
+      }
+    });
+  }
+
   std::vector<torch::Tensor> w_;
   std::vector<int64_t> kinds_;
   std::vector<c10::optional<torch::Tensor>> biases_;
@@ -119,8 +424,13 @@ class NativeDecoder {
   double eps_, scale_;
   std::mutex mutex_;
   Buffers ws_;
-  torch::Tensor stream_;
+  torch::Tensor stream_, normed_, last_, logits_;
   int64_t ws_rows_ = 0;
+  // the draft's token table and head (set_head)
+  torch::Tensor embed_, head_, head_ids_;
+  int64_t embed_kind_ = DENSE, head_kind_ = DENSE, vocab_ = 0, head_rows_ = 0;
+  qd::Weights head_w_;
+  std::vector<torch::Tensor> head_keep_;
   bool profiling_ = false;
   LayerTimes times_;
 };
@@ -135,6 +445,9 @@ void register_forward(pybind11::module& m) {
       // the GIL is let go: a pass touches no Python object, and the server's other threads may run
       .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the decoder's layers and final norm over a pass's new tokens, in one call")
+      .def("set_head", &NativeDecoder::set_head, "the token table and output head that chains() reads")
+      .def("chains", &NativeDecoder::chains, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "greedy draft chains, every pass in one call")
       .def("set_profiling", &NativeDecoder::set_profiling, "while on, passes add where their layers' time goes (from zero)")
       .def_property_readonly("times", &NativeDecoder::times, "seconds in (matrices, attention, other) since profiling went on");
 }

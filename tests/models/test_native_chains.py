@@ -1,0 +1,158 @@
+"""A draft model's greedy chains in one native call (kernels/forward.cpp's ``chains``, through
+DraftModelProposer._native_chains) must be the Python loop's, step after step: the same draft
+tokens, the same draft cache bit for bit, the same count of cached tokens and the same cost
+observations. The token table's rows and the output head are each dense or in every GGUF block
+format (the rows dequantized in C++ against numpy's), the head whole or truncated, the chains
+catching up, cut by K, by the confidence threshold, or not drafting at all this step."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_fused_layer import LAYOUTS, random_block_weight  # this folder is on the path, as pytest collects it
+
+from quickdraft.models.decoder import Decoder
+from quickdraft.models.kernels import native_decoder
+from quickdraft.models.tiny import random_weights, tiny_config
+from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(native_decoder() is None, reason="the CPU kernels are not available here")
+
+VOCAB = 200  # not a multiple of 16: the tables' last tile is padded
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+# (token table, output head): every block format once in each, dense for neither
+TABLES = [("Q4_0", "Q8_0"), ("Q4_1", "Q6_K"), ("Q4_K", "Q5_0"), ("Q8_0", "Q4_K"), ("Q5_0", "Q4_1"), ("Q6_K", "Q4_0")]
+
+
+def draft_model(dtype: torch.dtype, tables: tuple[str, str] | None, head_ids: torch.Tensor | None = None) -> Decoder:
+    """A 2-layer draft on Q4_K_M-like blocks, its token table and (untied) head dense (``tables``
+    None) or in the given block formats; with ``head_ids`` the head keeps only those rows."""
+    config = tiny_config("llama", vocab_size=VOCAB, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2)
+    weights = random_weights(config, seed=5, dtype=dtype, scale=2.0)
+    rng = np.random.default_rng(1)
+    for name, w in list(weights.items()):
+        kind = LAYOUTS["q4_k_m"].get(name.split(".")[-2])
+        if kind is not None and name.endswith(".weight"):
+            weights[name] = random_block_weight(kind, tuple(w.shape), rng)
+    if tables is not None:
+        for name, kind in zip(("model.embed_tokens.weight", "lm_head.weight"), tables):
+            weights[name] = random_block_weight(kind, tuple(weights[name].shape), rng)
+    if head_ids is not None:
+        head = weights["lm_head.weight"]
+        weights["lm_head.weight"] = head.select(head_ids) if tables is not None else head[head_ids].contiguous()
+    return Decoder(config, weights)
+
+
+class Seq:
+    def __init__(self, slot: int, tokens: list[int]):
+        self.slot, self.token_ids, self.params, self.grammar = slot, list(tokens), GREEDY, None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class Observed:
+    """A cost model that keeps what it is shown: (rows, chains, keys) of each timed pass."""
+
+    def __init__(self):
+        self.passes = []
+
+    def observe(self, rows, seconds, chains=1, keys=0):
+        assert seconds > 0
+        self.passes.append((rows, chains, keys))
+
+
+def drive(draft: Decoder, native: bool, threshold: float, head_ids: torch.Tensor | None, steps: int = 8):
+    """Draft, verify at random, commit, ``steps`` times, on 2 sequences (the first one's prompt
+    read ahead, as the engine does; the second's read in its first pass) -> what was seen."""
+    proposer = DraftModelProposer(draft, num_slots=3, max_len=128, confidence_threshold=threshold, head_ids=head_ids)
+    assert proposer.native_chains
+    proposer.native_chains = native
+    proposer.cost = Observed()
+    calls = []
+    if native:
+        original = draft.native.chains
+        draft.native.chains = lambda *a: calls.append(1) or original(*a)
+    rng = random.Random(7)
+    seqs = [Seq(2, [5, 17, 33, 2, 9, 40, 41]), Seq(0, [7, 8, 9])]
+    proposer.read_prompt(seqs[:1])
+    seqs[0].token_ids.append(11)  # the target's first token, which the draft has not read
+    seen = []
+    try:
+        for step in range(steps):
+            ks = [rng.randint(1, 4), rng.randint(0, 4) if step else 3]
+            proposal = proposer._propose_chains(seqs, ks)
+            flat, drafts = proposal.token_ids.tolist(), []
+            for n in proposal.num_tokens:
+                drafts.append(flat[:n])
+                flat = flat[n:]
+            accepted = [rng.randint(0, len(d)) for d in drafts]
+            committed = [d[:a] + [rng.randrange(VOCAB)] for d, a in zip(drafts, accepted)]
+            proposer.observe(seqs, SimpleNamespace(num_accepted=accepted, token_ids=committed))
+            for s, t in zip(seqs, committed):
+                s.token_ids += t
+            seen.append((drafts, list(proposer._cached)))
+    finally:
+        if native:
+            del draft.native.chains
+    assert not native or len(calls) == steps  # every step's chains went through the one call
+    return seen, proposer.kv, proposer.cost.passes
+
+
+def assert_same_drafting(draft: Decoder, threshold: float = 0.0, head_ids: torch.Tensor | None = None) -> list:
+    native, kv_native, costs_native = drive(draft, True, threshold, head_ids)
+    python, kv_python, costs_python = drive(draft, False, threshold, head_ids)
+    for step, (a, b) in enumerate(zip(native, python, strict=True)):
+        assert a == b, f"step {step}: native {a}, python {b}"
+    for layer in range(draft.num_layers):
+        assert torch.equal(kv_native.keys[layer], kv_python.keys[layer]), f"layer {layer}'s keys"
+        assert torch.equal(kv_native.values[layer], kv_python.values[layer]), f"layer {layer}'s values"
+    assert costs_native == costs_python
+    return native
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_dense_tables(dtype):
+    seen = assert_same_drafting(draft_model(dtype, None))
+    assert any(len(d) > 1 for drafts, _ in seen for d in drafts)  # chains of several passes were compared
+
+
+@pytest.mark.parametrize("tables", TABLES, ids=["-".join(t) for t in TABLES])
+def test_block_tables(tables):
+    """The token table's rows come from C++'s own dequantization of each block format: a row that
+    differed from numpy's by one bit would change the cache."""
+    assert_same_drafting(draft_model(torch.bfloat16, tables))
+
+
+@pytest.mark.parametrize("tables", [None, ("Q8_0", "Q4_K")], ids=["dense", "blocks"])
+def test_truncated_head(tables):
+    """A head of a subset of the vocabulary: its rows' argmax mapped back to vocabulary ids."""
+    ids = torch.tensor(sorted(random.Random(3).sample(range(VOCAB), 72)), dtype=torch.long)
+    seen = assert_same_drafting(draft_model(torch.bfloat16, tables, ids), head_ids=ids)
+    assert {t for drafts, _ in seen for d in drafts for t in d} <= set(ids.tolist())
+
+
+def test_confidence_threshold_cuts_the_same_chains():
+    seen = assert_same_drafting(draft_model(torch.float32, ("Q4_K", "Q6_K")), threshold=0.3)
+    lengths = [len(d) for drafts, _ in seen for d in drafts]
+    assert 1 in lengths and max(lengths) > 1  # some chains were cut after their first token, not all
+
+
+def test_bad_arguments_are_refused():
+    draft = draft_model(torch.bfloat16, ("Q4_0", "Q8_0"))
+    proposer = DraftModelProposer(draft, num_slots=2, max_len=32)
+    native = draft.native
+    with pytest.raises(RuntimeError, match="past the table"):
+        native.chains(proposer.kv, [0], [0], [[VOCAB]], [2], 0.0)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        native.chains(proposer.kv, [0], [30], [[1, 2, 3]], [2], 0.0)
+    with pytest.raises(RuntimeError, match="at least one token"):
+        native.chains(proposer.kv, [0], [0], [[1]], [0], 0.0)
+    with pytest.raises(RuntimeError, match="past the table"):
+        native._model.set_head(draft.w["model.embed_tokens.weight"].data, 0, VOCAB, draft.lm_head.data, 3, VOCAB,
+                               torch.tensor([VOCAB] * VOCAB))
