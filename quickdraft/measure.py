@@ -199,20 +199,39 @@ def pass_split(decoder, kv, bandwidth: float, slot: int = 0, context: int = 256,
     }
 
 
+def chain_split(decoder, kv, floor_ms: float, k: int, slot: int = 0, context: int = 256, chains: int = 10) -> dict | None:
+    """A draft's greedy chain of ``k`` passes in one native call (models/decoder/native.py's
+    ``chains``), ``context`` tokens into slot ``slot`` (filled by pass_split before): the median
+    pass of ``chains`` chains after a warm-up, each pass timed inside the call (its token table
+    row, layers, head and argmax), against ``floor_ms``. None where the draft has no native chains."""
+    import statistics
+
+    if decoder.native is None:
+        return None
+    seconds = []
+    for run in range(chains + 1):
+        _, spent = decoder.native.chains(kv, [slot], [context], [[0]], [k], 0.0)
+        if run:
+            seconds += spent
+    ms = statistics.median(seconds) * 1e3
+    return {"k": k, "chains": chains, "pass_ms": ms, "floor_ms": floor_ms, "floor_share": floor_ms / ms}
+
+
 def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
     """The engine's own time a decoding step, beside its models' passes: one greedy request of
     ``prompt_ids`` decoded for ``steps`` steps after its prompt's pass; for each step, the
     runner's phases (engine/runner.py's StepTimes) and the seconds spent inside any Decoder's
-    ``forward`` and ``logits`` (the target's and a draft's), timed by wrapping both methods for
-    the run; then the request is aborted. ``engine_ms`` is a step less its models' passes: scheduling, proposing around the
+    ``forward`` and ``logits`` (the target's and a draft's) and a draft's native ``chains`` (its
+    passes in one call), timed by wrapping those methods for the run; then the request is aborted. ``engine_ms`` is a step less its models' passes: scheduling, proposing around the
     draft's passes, building the pass, verification and commit. Medians, in milliseconds."""
     import statistics
 
-    from quickdraft.models.decoder import Decoder
+    from quickdraft.models.decoder import Decoder, NativeLayers
     from quickdraft.sampling import SamplingParams
 
     spent = [0.0]
-    originals = {name: getattr(Decoder, name) for name in ("forward", "logits")}
+    originals = {(cls, name): getattr(cls, name) for cls, name in ((Decoder, "forward"), (Decoder, "logits"),
+                                                                    (NativeLayers, "chains"))}
 
     def timed(method):
         def run(*args, **kwargs):
@@ -225,8 +244,8 @@ def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
 
     rows: dict[str, list[float]] = {"step": [], "models": [], "engine": []}
     phases: dict[str, list[float]] = {}
-    for name, method in originals.items():
-        setattr(Decoder, name, timed(method))
+    for (cls, name), method in originals.items():
+        setattr(cls, name, timed(method))
     try:
         # room for every step to emit all its drafts; the request is cut after ``steps`` steps
         request = engine.add_request(list(prompt_ids), SamplingParams(max_tokens=64 * (steps + 1), temperature=0.0,
@@ -248,8 +267,8 @@ def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
         if engine.has_unfinished():
             engine.abort_request(request)
     finally:
-        for name, method in originals.items():
-            setattr(Decoder, name, method)
+        for (cls, name), method in originals.items():
+            setattr(cls, name, method)
     med = {k: statistics.median(v) * 1e3 for k, v in rows.items() if v}
     return {"steps": len(rows["step"]), "step_ms": med.get("step"), "models_ms": med.get("models"),
             "engine_ms": med.get("engine"),

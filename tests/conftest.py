@@ -150,16 +150,25 @@ def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def trace_draft_passes(monkeypatch: pytest.MonkeyPatch):
     """trace(module) -> a list that gets, for every later ``draft_pass`` of ``module`` (a proposer's,
-    proposers/draft_load.py), the number of tokens each sequence fed it."""
+    proposers/draft_load.py), the number of tokens each sequence fed it; a greedy chain run in one
+    native call (models/decoder/native.py's ``chains``) adds its first pass's (its later passes
+    read one token each)."""
+    from quickdraft.models.decoder import NativeLayers
+
     def trace(module) -> list[list[int]]:
         fed: list[list[int]] = []
-        traced = module.draft_pass
+        traced, chains = module.draft_pass, NativeLayers.chains
 
         def draft_pass(model, kv, slots, cached, feeds):
             fed.append([len(f) for f in feeds])
             return traced(model, kv, slots, cached, feeds)
 
+        def native_chains(self, kv, slots, cached, feeds, *rest):
+            fed.append([len(f) for f in feeds])
+            return chains(self, kv, slots, cached, feeds, *rest)
+
         monkeypatch.setattr(module, "draft_pass", draft_pass)
+        monkeypatch.setattr(NativeLayers, "chains", native_chains)
         return fed
 
     return trace

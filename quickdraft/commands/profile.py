@@ -89,13 +89,16 @@ def split(engine) -> dict:
     """Where the time goes on this machine (quickdraft/measure.py): a one-row pass of the target
     and of the draft model (where the method has one) against its floor, and the engine's own
     time a decoding step. Run before the engine holds any sequence: the passes use slot 0."""
-    from quickdraft.measure import engine_split, measure_bandwidth, pass_split
+    from quickdraft.measure import chain_split, engine_split, measure_bandwidth, pass_split
 
     bandwidth = measure_bandwidth()["bandwidth_bytes_per_s"]
     out = {"target": pass_split(engine.decoder, engine.kv, bandwidth, context=CONTEXT)}
     draft, draft_kv = getattr(engine.proposer, "model", None), getattr(engine.proposer, "kv", None)
     if draft is not None and draft_kv is not None:
         out["draft"] = pass_split(draft, draft_kv, bandwidth, context=CONTEXT)
+        if getattr(engine.proposer, "native_chains", False):
+            k = max(1, engine.config.speculative.num_speculative_tokens)
+            out["draft_chain"] = chain_split(draft, draft_kv, out["draft"]["floor_ms"], k, context=CONTEXT)
     out["engine"] = engine_split(engine, engine.tokenizer.encode(SPLIT_PROMPT))
     return out
 
@@ -121,6 +124,10 @@ def _split_lines(split: dict) -> list[str]:
             f"{ms(p['matrices_ms'])} ({ms(p['layers_floor_ms'])}, {share(p['matrices_share'])}) | {ms(p['attention_ms'])} | "
             f"{ms(p['other_layer_ms'])} | {ms(p['outside_layers_ms'])} | "
             f"{ms(p['head_ms'])} ({ms(p['head_floor_ms'])}, {share(p['head_share'])})")
+    c = split.get("draft_chain")
+    if c is not None:
+        lines.append(f"draft greedy chains of {c['k']} passes in one native call: {ms(c['pass_ms'])} ms a pass "
+                     f"(floor {ms(c['floor_ms'])}, {share(c['floor_share'])})")
     e = split["engine"]
     phases = ", ".join(f"{k} {v:.2f}" for k, v in e["phases_ms"].items())
     lines.append(f"a decoding step (median of {e['steps']}, greedy): {ms(e['step_ms'])} ms = the models' passes "
