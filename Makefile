@@ -70,10 +70,11 @@ demo: $(VENV)/.qwen
 # it turned AMX off (ollama PR #9203; stanfordnlp/dspy PR #10079). So: AMX off, and each AVX-512
 # feature on only where /proc/cpuinfo lists it (an AVX2-only CPU such as AMD Zen 3 gets none).
 # QUICKDRAFT_ISA=avx2 builds it for AVX2 alone, to compare with quickdraft's AVX2 path on an
-# AVX-512 machine. On ARM64, ggml's native build. --no-cache-dir: pip's wheel cache would hand back
+# AVX-512 machine; QUICKDRAFT_ISA=avx2_vnni for AVX2 and AVX-VNNI, without AVX-512. On ARM64, ggml's native build. --no-cache-dir: pip's wheel cache would hand back
 # an earlier build of the same version; an installed build whose features differ from these
 # (ggml's system info, which the bench also records in results.json) is removed first.
-cpu_has = $(if $(and $(filter avx2,$(QUICKDRAFT_ISA)),$(filter avx512% avx_vnni,$(1))),OFF,$(shell grep -qw '$(1)' /proc/cpuinfo 2>/dev/null && echo ON || echo OFF))
+cpu_off = $(or $(and $(filter avx2,$(QUICKDRAFT_ISA)),$(filter avx512% avx_vnni,$(1))),$(and $(filter avx2_vnni,$(QUICKDRAFT_ISA)),$(filter avx512%,$(1))))
+cpu_has = $(if $(call cpu_off,$(1)),OFF,$(shell grep -qw '$(1)' /proc/cpuinfo 2>/dev/null && echo ON || echo OFF))
 ifeq ($(shell uname -m),x86_64)
 LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=$(call cpu_has,avx2) -DGGML_FMA=$(call cpu_has,fma) \
 	-DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) -DGGML_AVX512=$(call cpu_has,avx512f) \

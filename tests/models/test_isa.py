@@ -11,6 +11,7 @@ from quickdraft.models.kernels import isa
 ZEN3 = frozenset("fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2".split())
 ZEN4 = ZEN3 | frozenset("avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 avx512vbmi".split())
 ICE_LAKE = ZEN4 - {"avx512_bf16"}
+ALDER_LAKE = ZEN3 | frozenset("avx_vnni movdiri serialize".split())  # AVX-VNNI without AVX-512
 HASWELL_NO_F16C = ZEN3 - {"f16c"}
 GRAVITON2 = frozenset("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp".split())
 CORTEX_A72 = frozenset("fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid".split())
@@ -20,6 +21,8 @@ CORTEX_A72 = frozenset("fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid".split(
     (ZEN4, "x86_64", "avx512", "avx512-avx512_bf16"),
     (ICE_LAKE, "x86_64", "avx512", "avx512"),  # no BF16: the bfloat16 dot as two FMAs, every other kernel the same
     (ZEN3, "x86_64", "avx2", "avx2"),
+    (ALDER_LAKE, "x86_64", "avx2_vnni", "avx2_vnni"),
+    (ZEN4 | {"avx_vnni"}, "x86_64", "avx512", "avx512-avx512_bf16"),  # Zen 5, Sapphire Rapids: AVX-512 first
     (HASWELL_NO_F16C, "x86_64", "portable", "portable"),
     (GRAVITON2, "aarch64", "neon", "neon"),
     (CORTEX_A72, "aarch64", "portable", "portable"),  # NEON without dotprod
@@ -38,12 +41,15 @@ def test_avx512_bf16_flag_only_where_the_cpu_has_it():
 
 def test_forcing_a_lower_isa_and_refusing_what_the_cpu_lacks():
     assert isa.choose("avx2", ZEN4, "x86_64").name == "avx2"
+    assert isa.choose("avx2", ALDER_LAKE, "x86_64").name == "avx2"  # the path without VNNI, tested there too
+    with pytest.warns(UserWarning, match="QUICKDRAFT_ISA=avx2_vnni, but this CPU lacks"):
+        assert isa.choose("avx2_vnni", ZEN3, "x86_64").name == "avx2"
     assert isa.choose("portable", ZEN4, "x86_64").name == "portable"
     with pytest.warns(UserWarning, match="QUICKDRAFT_ISA=avx512, but this CPU lacks"):
         assert isa.choose("avx512", ZEN3, "x86_64").name == "avx2"
     with pytest.warns(UserWarning, match="or is not aarch64.: using avx512"):
         assert isa.choose("neon", ZEN4, "x86_64").name == "avx512"
-    with pytest.raises(ValueError, match="QUICKDRAFT_ISA=sse9: not one of avx512, avx2, neon, portable"):
+    with pytest.raises(ValueError, match="QUICKDRAFT_ISA=sse9: not one of avx512, avx2_vnni, avx2, neon, portable"):
         isa.choose("sse9", ZEN4, "x86_64")
 
 
@@ -67,8 +73,8 @@ def test_macos_sysctl(monkeypatch):
     monkeypatch.setattr(isa, "_sysctl", lambda *names: ["1", "1", "0"][: len(names)])
     assert isa._mac_features() == {"asimd", "asimddp"}
     monkeypatch.setattr(isa, "arch", lambda: "x86_64")
-    monkeypatch.setattr(isa, "_sysctl", lambda *names: ["FPU SSE AVX1.0 F16C FMA", "AVX2 BMI2"])
-    assert isa._mac_features() == {"f16c", "fma", "avx2"}
+    monkeypatch.setattr(isa, "_sysctl", lambda *names: ["FPU SSE AVX1.0 F16C FMA", "AVX2 BMI2 AVXVNNI"])
+    assert isa._mac_features() == {"f16c", "fma", "avx2", "avx_vnni"}
 
 
 def test_this_machine_has_a_choice():

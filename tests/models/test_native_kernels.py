@@ -19,16 +19,18 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "tests" / "native"
 CXXFLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-fopenmp"]
 # the ISAs each host's program holds (kernels_test.cpp's tables): x86_64 and aarch64
-OBJECTS = {"x86_64": ("avx512", "avx2", "portable"), "aarch64": ("neon", "portable")}
+OBJECTS = {"x86_64": ("avx512", "avx2_vnni", "avx2", "portable"), "aarch64": ("neon", "portable")}
+# the AVX-VNNI path with vpdpbusd rendered in AVX2 (isa_avx2.h): its kernels run on any AVX2 CPU
+EMULATED_VNNI = ("-mavx2", "-mfma", "-mf16c", "-DQD_ISA_AVX2_VNNI", "-DQD_EMULATE_AVX_VNNI")
 
 
-def build(tmp: Path, cxx: str, machine: str, features: frozenset[str]) -> Path:
+def build(tmp: Path, cxx: str, machine: str, features: frozenset[str], flags_of: dict | None = None) -> Path:
     """kernels_test for ``machine``: one object per ISA (compiled with its flags whatever this CPU
-    runs: compiling is not running), linked with the driver."""
+    runs: compiling is not running; ``flags_of`` replaces an ISA's), linked with the driver."""
     objects, jobs = [], []
     for name in OBJECTS[machine]:  # compiled side by side
         obj = tmp / f"{name}.o"
-        flags = isa.BY_NAME[name].flags(features)
+        flags = (flags_of or {}).get(name) or isa.BY_NAME[name].flags(features)
         jobs.append(subprocess.Popen([cxx, *CXXFLAGS, *flags, f"-DQD_PREFIX={name}", "-c", str(NATIVE / "kernels_isa.cpp"),
                                       "-o", str(obj)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         objects.append(str(obj))
@@ -70,6 +72,23 @@ def test_avx512_without_bf16(tmp_path):
         pytest.skip("this CPU runs no AVX-512 (or no g++)")
     exe = build(tmp_path, "g++", "x86_64", isa.cpu_features() - {"avx512_bf16"})
     print(run([str(exe), "avx512"]), "for avx512 without BF16")
+
+
+def test_avx2_vnni_emulated(tmp_path):
+    """The AVX-VNNI path's kernels (Intel Alder Lake and later, AMD Zen 5) on a CPU without it: its
+    one instruction, vpdpbusd, rendered exactly in AVX2, the rest of the path as it is built for
+    such a CPU (FULL_U8, simd.h's partial sums). The build that such a CPU runs is compiled beside
+    it and must hold the instruction."""
+    if isa.arch() != "x86_64" or not isa.runs_here(isa.BY_NAME["avx2"]) or shutil.which("g++") is None:
+        pytest.skip("this CPU runs no AVX2 (or no g++)")
+    real = tmp_path / "real"
+    real.mkdir()
+    build(real, "g++", "x86_64", isa.cpu_features())
+    dump = subprocess.run(["objdump", "-d", str(real / "avx2_vnni.o")], capture_output=True, text=True) if shutil.which("objdump") else None
+    if dump is not None:
+        assert "vpdpbusd" in dump.stdout and "vpmaddubsw" not in dump.stdout
+    exe = build(tmp_path, "g++", "x86_64", isa.cpu_features(), {"avx2_vnni": EMULATED_VNNI})
+    print(run([str(exe), "avx2_vnni"]), "for avx2_vnni, vpdpbusd emulated")
 
 
 def test_arm64_neon_under_qemu(tmp_path):

@@ -36,6 +36,7 @@
 QD_DECLARE(portable)
 #if defined(__x86_64__)
 QD_DECLARE(avx2)
+QD_DECLARE(avx2_vnni)
 QD_DECLARE(avx512)
 #elif defined(__aarch64__)
 QD_DECLARE(neon)
@@ -382,6 +383,7 @@ int main(int argc, char** argv) {
   std::vector<Kernels> all = {ref};
 #if defined(__x86_64__)
   all.push_back(QD_TABLE(avx2));
+  all.push_back(QD_TABLE(avx2_vnni));
   all.push_back(QD_TABLE(avx512));
 #elif defined(__aarch64__)
   all.push_back(QD_TABLE(neon));

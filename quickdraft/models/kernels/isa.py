@@ -1,8 +1,8 @@
 """Which instruction set the CPU kernels are built for: the CPU's features, read the way each OS
 tells them, and the table of the kernels' instruction sets, best first.
 
-Each entry of ``ISAS`` is one header of the vector layer (simd.h: isa_avx512.h, isa_avx2.h,
-isa_neon.h, isa_portable.h) and the compiler flags it needs. ``choose()`` takes the best one the
+Each entry of ``ISAS`` is one header of the vector layer (simd.h: isa_avx512.h, isa_avx2.h (with
+AVX-VNNI or without), isa_neon.h, isa_portable.h) and the compiler flags it needs. ``choose()`` takes the best one the
 CPU runs, or the one ``QUICKDRAFT_ISA`` names (a lower one, to test its path on a machine that
 has a better one). Plain Python, no torch: ``quickdraft check`` and the tests read it directly.
 """
@@ -44,6 +44,9 @@ ISAS = (
     Isa("avx512", "x86_64", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma", "f16c"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile",
          "-mamx-int8"), {"avx512_bf16": ("-mavx512bf16",)}),
+    # AVX-VNNI: vpdpbusd on 256 bits without AVX-512 (Intel Alder Lake and later, AMD Zen 5); the
+    # avx2 path's header with its byte dot one instruction (isa_avx2.h)
+    Isa("avx2_vnni", "x86_64", ("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
     Isa("avx2", "x86_64", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     Isa("neon", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",)),
     Isa("portable", "any", (), ()),
@@ -56,7 +59,8 @@ _ARM_HWCAPS = {"asimd": 1 << 1, "asimddp": 1 << 20, "asimdhp": 1 << 10, "sve": 1
 # macOS sysctl names -> Linux's names
 _MAC_ARM = {"hw.optional.neon": "asimd", "hw.optional.arm.FEAT_DotProd": "asimddp", "hw.optional.arm.FEAT_I8MM": "i8mm"}
 _MAC_X86 = {"AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512F": "avx512f", "AVX512BW": "avx512bw",
-            "AVX512DQ": "avx512dq", "AVX512VL": "avx512vl", "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16"}
+            "AVX512DQ": "avx512dq", "AVX512VL": "avx512vl", "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16",
+            "AVXVNNI": "avx_vnni"}
 
 
 def arch() -> str:

@@ -3,17 +3,36 @@
 // saturating int16) and vpmaddwd by ones (pairs of int16 into int32): exact while a pair stays
 // within int16, which holds for unsigned bytes up to 127 (2 x 127 x 127) and, through the sign
 // trick, for signed ones (FULL_U8 false: simd.h).
+//
+// With AVX-VNNI (QD_ISA_AVX2_VNNI: Intel Alder Lake and later, AMD Zen 5) the byte dot is one
+// vpdpbusd on 256 bits, u8 x s8 four at a time straight into int32 lanes, exact for every byte
+// (FULL_U8 true): one instruction where the other path takes three, and simd.h's plain partial
+// sums. QD_EMULATE_AVX_VNNI renders vpdpbusd with AVX2 instructions, exactly, so that this path's
+// kernels are tested on CPUs without it (tests/models/test_native_kernels.py).
 #pragma once
 
+#if !defined(QD_ISA_AVX2_VNNI)
 #define QD_ISA_OWN_PARTIAL 1  // its own partial sums (below), not simd.h's
+#endif
 
 #include <immintrin.h>
 
-namespace simd {
-inline namespace avx2 {  // each ISA's names its own: several ISAs' builds may meet in one program
+#if defined(QD_ISA_AVX2_VNNI)
+#define QD_AVX2_NS avx2_vnni
+#else
+#define QD_AVX2_NS avx2
+#endif
 
+namespace simd {
+inline namespace QD_AVX2_NS {  // each ISA's names its own: several ISAs' builds may meet in one program
+
+#if defined(QD_ISA_AVX2_VNNI)
+constexpr const char* ISA = "avx2_vnni";
+constexpr bool FULL_U8 = true;
+#else
 constexpr const char* ISA = "avx2";
 constexpr bool FULL_U8 = false;
+#endif
 
 constexpr int F16_REGS = 8;  // F16 values the registers hold: 16 ymm
 struct F16 { __m256 lo, hi; };
@@ -152,10 +171,25 @@ inline B64 shift_mask(B64 a, int shift, B64 mask) {  // as isa_avx512.h: 16-bit 
   return and_b({_mm256_srli_epi16(a.lo, -shift), _mm256_srli_epi16(a.hi, -shift)}, mask);
 }
 
+#if defined(QD_ISA_AVX2_VNNI) && defined(QD_EMULATE_AVX_VNNI)
+// 32 bytes: lane l += u[4l..4l+3] . s[4l..4l+3] for every u8 (vpdpbusd's sum), from AVX2: bytes 0
+// and 2 of each lane as int16 (u zero-extended, s sign-extended), then bytes 1 and 3, each pair of
+// products summed by vpmaddwd (at most 2 x 255 x 128: no int16 or int32 overflow)
+inline __m256i dot32(__m256i acc, __m256i u, __m256i s) {
+  const __m256i low = _mm256_set1_epi16(0x00ff);
+  const __m256i even = _mm256_madd_epi16(_mm256_and_si256(u, low), _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8));
+  const __m256i odd = _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(even, odd));
+}
+#elif defined(QD_ISA_AVX2_VNNI)
+// 32 bytes: lane l += u[4l..4l+3] . s[4l..4l+3] for every u8, one vpdpbusd
+inline __m256i dot32(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
 // 32 bytes: lane l += u[4l..4l+3] . s[4l..4l+3], u <= 127 (vpmaddubsw's pairs stay within int16)
 inline __m256i dot32(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+#endif
 inline I16 dot_us(I16 acc, B64 u, B64 s) { return {dot32(acc.lo, u.lo, s.lo), dot32(acc.hi, u.hi, s.hi)}; }
 inline __m256i dot32_ss(__m256i acc, __m256i a, __m256i b) {  // |a| unsigned, a's sign onto b
   return dot32(acc, _mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
@@ -184,6 +218,7 @@ inline BH32 load_bh_part(const uint16_t* p, int n) {
 }
 inline F16 dot_bf16(F16 acc, const BH32& x, const BH32& w) { return fmadd(x.odd, w.odd, fmadd(x.even, w.even, acc)); }
 
+#if !defined(QD_ISA_AVX2_VNNI)
 // A block's integer sum step by step (blocks.h; simd.h has the plain version the other ISAs take).
 // vpmaddubsw's int16 pair sums are added in
 // int16 for as many steps as cannot overflow it (group_steps: 8 steps of 4-bit values, 4 of 5-bit,
@@ -217,9 +252,10 @@ inline I16 end(Partial p) { return regroup(p).acc; }
 // spill, and cost about as much a row as 4 rows do, but a verification pass of 5-8 rows then
 // unpacks each weight vector once
 constexpr int ROW_BLOCK = 8;
+#endif
 
 inline void prefetch_l1(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
-}  // namespace avx2
+}  // namespace QD_AVX2_NS
 }  // namespace simd
