@@ -39,8 +39,8 @@ float half_bits(const uint8_t* p) {  // a float16 field, as numpy's astype(float
 
 // Row `row` of a matrix in blocks.h's tiles (K inputs) as models/ggml.py's _dequantize gives it:
 // (q - offset) x scale (- min), each an IEEE float32 operation in that order, scale = sc x d and
-// min = mn x dmin for the K-quants. A token's embedding: dequantizing one row of its tile costs
-// ~1 us, where numpy unpacked the whole tile.
+// min = mn x dmin for the K-quants. A token's embedding: only the row's own bytes are read, where
+// numpy unpacked its whole tile.
 template <int KIND>
 void block_row(const uint8_t* tiles, int64_t K, int64_t row, float* out) {
   using F = qd::Format<KIND>;
@@ -310,19 +310,17 @@ class NativeDecoder {
         pass.check(n, kcaches[l], vcaches[l]);
         TORCH_CHECK(kcaches[l].size(3) == d_ && kcaches[l].scalar_type() == norm_.scalar_type(), "caches of the model's head size and dtype");
       }
-      torch::Tensor normed = normed_.narrow(0, 0, n);
+      torch::Tensor normed = grown(normed_, n, hidden, options);
       layers(stream, pass, kcaches, vcaches, layers_, {}, torch::Tensor(), normed);
       torch::Tensor last = normed;  // each sequence's last row
       if (n > m) {
-        last = last_.narrow(0, 0, m);
+        last = grown(last_, m, hidden, options);
         for (int64_t a = 0, r = 0; a < m; ++a) {
           r += pass.query_lens[a];
           last[a].copy_(normed[r - 1]);
         }
       }
-      if (!logits_.defined() || logits_.size(0) < m || logits_.size(1) != padded || logits_.scalar_type() != norm_.scalar_type())
-        logits_ = torch::empty({std::max<int64_t>(m, logits_.size(0)), padded}, options);
-      torch::Tensor logits = logits_.narrow(0, 0, m);
+      torch::Tensor logits = grown(logits_, m, padded, options);
       if (head_kind_ == DENSE) {
         (f32 ? linear_f32_into : linear_bf16_into)(last, head_, c10::nullopt, logits);
       } else {
@@ -365,11 +363,16 @@ class NativeDecoder {
     if (ws_rows_ < n || !ws_.h.defined() || ws_.h.scalar_type() != c10::typeMetaToScalarType(options.dtype())) {
       ws_ = Buffers::allocate(n, hidden, heads_, kv_heads_, d_, intermediate_, options);
       stream_ = torch::empty({n, hidden}, options);
-      normed_ = torch::empty({n, hidden}, options);
-      last_ = torch::empty({n, hidden}, options);
       ws_rows_ = n;
     }
     return stream_.narrow(0, 0, n);
+  }
+
+  // buf's first n rows [n, width], buf made anew where it has fewer rows, another width or dtype
+  static torch::Tensor grown(torch::Tensor& buf, int64_t n, int64_t width, const torch::TensorOptions& options) {
+    if (!buf.defined() || buf.size(0) < n || buf.size(1) != width || buf.scalar_type() != c10::typeMetaToScalarType(options.dtype()))
+      buf = torch::empty({n, width}, options);
+    return buf.narrow(0, 0, n);
   }
 
   // The first num_layers layers over the residual stream [n, hidden] (in place), the states entering
@@ -424,8 +427,9 @@ class NativeDecoder {
   double eps_, scale_;
   std::mutex mutex_;
   Buffers ws_;
-  torch::Tensor stream_, normed_, last_, logits_;
+  torch::Tensor stream_;
   int64_t ws_rows_ = 0;
+  torch::Tensor normed_, last_, logits_;  // chains()'s: the final norm's output, the last rows, the head's output
   // the draft's token table and head (set_head)
   torch::Tensor embed_, head_, head_ids_;
   int64_t embed_kind_ = DENSE, head_kind_ = DENSE, vocab_ = 0, head_rows_ = 0;
