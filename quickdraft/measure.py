@@ -222,7 +222,8 @@ def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
     ``prompt_ids`` decoded for ``steps`` steps after its prompt's pass; for each step, the
     runner's phases (engine/runner.py's StepTimes) and the seconds spent inside any Decoder's
     ``forward`` and ``logits`` (the target's and a draft's) and a draft's native ``chains`` (its
-    passes in one call), timed by wrapping those methods for the run; then the request is aborted. ``engine_ms`` is a step less its models' passes: scheduling, proposing around the
+    passes in one call), timed by wrapping those methods for the run; then the request is
+    aborted. ``engine_ms`` is a step less its models' passes: scheduling, proposing around the
     draft's passes, building the pass, verification and commit. Medians, in milliseconds."""
     import statistics
 

@@ -154,7 +154,7 @@ class DraftModelProposer:
         feeds = [feed[i] for i in active]
         drafted, seconds = self.model.native.chains(self.kv, slots, cached, feeds, [num_tokens[i] for i in active],
                                                     self.threshold)
-        if self.cost is not None:  # pass p read the feeds (p = 0), then each chain still drafting its last token
+        if self.cost is not None:  # pass 0 read the feeds; each later pass one token of each chain still drafting
             ctx, rows = list(cached), [len(f) for f in feeds]
             for p, spent in enumerate(seconds):
                 on = [a for a, d in enumerate(drafted) if len(d) > p]
