@@ -76,6 +76,8 @@ def draft_pass(model: Decoder, kv: KVCache, slots: list[int], cached: list[int],
     """One draft pass: each slot's ``feeds`` tokens [len_i] at positions ``cached[i]``.. written
     into ``kv``; logits [len(slots), N] of each feed's last row."""
     lens = [len(f) for f in feeds]
+    if not all(lens):  # an empty feed has no last row: its logits would be another sequence's
+        raise ValueError(f"draft_pass: every sequence feeds at least one token, got lengths {lens}")
     meta = AttentionMetadata.chain(slots, cached, lens)
     tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=model.device)
     hidden = model.forward(tokens, meta.positions(model.device), kv, meta)

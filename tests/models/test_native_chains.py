@@ -143,6 +143,19 @@ def test_confidence_threshold_cuts_the_same_chains():
     assert 1 in lengths and max(lengths) > 1  # some chains were cut after their first token, not all
 
 
+def test_an_empty_feed_is_refused_by_both_loops():
+    """A sequence with nothing to read has no last row to draft from: the Python pass refuses it
+    rather than hand it another sequence's logits, as the native call does."""
+    from quickdraft.proposers.draft_load import draft_pass
+
+    draft = draft_model(torch.bfloat16, None)
+    proposer = DraftModelProposer(draft, num_slots=2, max_len=32)
+    with pytest.raises(ValueError, match="at least one token"):
+        draft_pass(draft, proposer.kv, [0, 1], [0, 0], [[], [1, 2]])
+    with pytest.raises(RuntimeError, match="at least one token"):
+        draft.native.chains(proposer.kv, [0, 1], [0, 0], [[], [1, 2]], [2, 2], 0.0)
+
+
 def test_bad_arguments_are_refused():
     draft = draft_model(torch.bfloat16, ("Q4_0", "Q8_0"))
     proposer = DraftModelProposer(draft, num_slots=2, max_len=32)
