@@ -199,15 +199,13 @@ def pass_split(decoder, kv, bandwidth: float, slot: int = 0, context: int = 256,
     }
 
 
-def chain_split(decoder, kv, floor_ms: float, k: int, slot: int = 0, context: int = 256, chains: int = 10) -> dict | None:
+def chain_split(decoder, kv, floor_ms: float, k: int, slot: int = 0, context: int = 256, chains: int = 10) -> dict:
     """A draft's greedy chain of ``k`` passes in one native call (models/decoder/native.py's
-    ``chains``), ``context`` tokens into slot ``slot`` (filled by pass_split before): the median
-    pass of ``chains`` chains after a warm-up, each pass timed inside the call (its token table
-    row, layers, head and argmax), against ``floor_ms``. None where the draft has no native chains."""
+    ``chains``, set up by its proposer), ``context`` tokens into slot ``slot`` (filled by pass_split
+    before): the median pass of ``chains`` chains after a warm-up, each pass timed inside the call
+    (its token table row, layers, head and argmax), against ``floor_ms``."""
     import statistics
 
-    if decoder.native is None:
-        return None
     seconds = []
     for run in range(chains + 1):
         _, spent = decoder.native.chains(kv, [slot], [context], [[0]], [k], 0.0)
