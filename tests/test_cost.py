@@ -257,3 +257,26 @@ def test_others_share_sees_a_busy_process():
     finally:
         child.wait()
     assert share is not None and share > 0.5 / os.cpu_count()
+
+
+def test_the_condition_bound_holds_and_the_solve_is_numpys():
+    """cost._solve trusts a system where n * trace(inverse) < NEAR_SINGULAR: that bounds the
+    condition number of a unit-diagonal SPD matrix from above, so no system numpy's eigenvalues
+    would have refused is solved by Cholesky (the running fit's test holds its answers to lstsq's)."""
+    from quickdraft.cost import _cholesky, _lower_inverse
+
+    rng = np.random.default_rng(5)
+    for n in range(2, 6):
+        for spread in (1.0, 1e-3, 1e-6):
+            x = rng.normal(size=(n + 3, n)) * np.array([1.0] * (n - 1) + [spread])
+            x[:, -1] += x[:, 0] * (1 - spread)  # nearly collinear as the spread shrinks
+            gram = x.T @ x
+            scale = 1 / np.sqrt(gram.diagonal())
+            a = gram * np.outer(scale, scale)
+            low = _cholesky(a.tolist())
+            assert low is not None
+            inv = np.array(_lower_inverse(low))
+            assert np.allclose(inv @ np.array(low), np.eye(n))
+            eig = np.linalg.eigvalsh(a)
+            assert n * (inv**2).sum() >= eig[-1] / eig[0] * (1 - 1e-9)
+    assert _cholesky([[1.0, 1.0], [1.0, 1.0]]) is None  # singular: no positive pivot
