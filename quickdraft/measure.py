@@ -208,7 +208,7 @@ def chain_split(decoder, kv, floor_ms: float, k: int, slot: int = 0, context: in
 
     seconds = []
     for run in range(chains + 1):
-        _, spent = decoder.native.chains(kv, [slot], [context], [[0]], [k], 0.0)
+        _, spent, _ = decoder.native.chains(kv, [slot], [context], [[0]], [k], 0.0)
         if run:
             seconds += spent
     ms = statistics.median(seconds) * 1e3

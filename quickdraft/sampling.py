@@ -189,6 +189,19 @@ def argmax_rows(x: Tensor) -> Tensor:
     return x.argmax(-1)
 
 
+def argmax_finite(x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(argmax_rows(x) [N], and [N] bool whether each row of ``x`` [N, V] is finite, or None). On
+    the CPU the kernels take both from one read of the rows (kernels/rowwise.cpp); elsewhere only
+    the argmax is taken, and the caller checks the rows as it would have."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1] > 0:
+        from quickdraft.models.kernels import rowwise
+
+        kernels = rowwise()
+        if kernels is not None:
+            return kernels.argmax_finite(x.contiguous())
+    return argmax_rows(x), None
+
+
 # The top-k set and the top-p nucleus are first looked for among the highest logits only (a
 # partial sort, torch.topk): top_k + 1 of them for top-k rows, this many for rows with top-p alone.
 # Only rows whose set may reach past the candidates (ties at the edge, or a nucleus that the

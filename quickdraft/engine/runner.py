@@ -32,7 +32,7 @@ from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence, SpecStats, TokenLogprob
 from quickdraft.engine.stops import StopRules
 from quickdraft.proposers.base import DraftProposal, Proposer
-from quickdraft.sampling import BatchSampling, draw_uniforms
+from quickdraft.sampling import BatchSampling, argmax_finite, draw_uniforms
 from quickdraft.structured import apply_masks
 from quickdraft.verify.penalties import shape_rows, shapes_logits
 from quickdraft.verify.rejection import VerifyOutput, greedy_walk, verify
@@ -164,8 +164,11 @@ class Runner:
         with times("forward"):
             logits = self._forward(seqs, batch)  # [num_draft_tokens + batch, V]
         with times("verify"):
-            ok = _finite_rows(logits, proposal.num_tokens)  # [batch] bool
-            outcome = self._verify(seqs, proposal, logits)
+            # an all-greedy chain batch whose logits no request shapes: the walk's argmax and the
+            # rows' check in one read where the kernels run (sampling.argmax_finite)
+            argmax, fine = argmax_finite(logits) if self._walks(seqs, proposal) else (None, None)  # [rows] each
+            ok = _finite_rows(logits, proposal.num_tokens, fine, argmax)  # [batch] bool
+            outcome = self._verify(seqs, proposal, logits, argmax)
         with times("commit"):
             results = self._commit(seqs, batch, outcome, ok, forced, logits)
         self._learn(batch, results, times)
@@ -227,12 +230,21 @@ class Runner:
         self._prompt_logprobs(seqs, batch.chunks, hidden)
         return self.target.logits(hidden[batch.rows])
 
-    def _verify(self, seqs: list[Sequence], proposal: DraftProposal, logits: torch.Tensor) -> VerifyOutput:
+    @staticmethod
+    def _walks(seqs: list[Sequence], proposal: DraftProposal) -> bool:
+        """Whether the batch goes to ``greedy_walk`` over the logits as they are: chains (no trees),
+        every request greedy, none shaping its rows (penalties, bias, min_tokens, a grammar)."""
+        return proposal.parents is None and all(
+            s.params.greedy and s.grammar is None and not shapes_logits(s.params) for s in seqs)
+
+    def _verify(self, seqs: list[Sequence], proposal: DraftProposal, logits: torch.Tensor,
+                argmax: torch.Tensor | None = None) -> VerifyOutput:
+        """``argmax`` [rows]: the logits' argmax where ``_walks`` (a row that was not finite: 0)."""
         if proposal.parents is None and all(s.params.greedy for s in seqs):
             # what verify does for an all-greedy batch, without the coins and sampling tensors it
             # would not read: the engine's own time a plain step of the 1.5B 0.93-1.16 -> 0.70-0.77 ms
             # (AMD EPYC Zen 1, docs/design/verifier.md)
-            return greedy_walk(proposal.token_ids, proposal.num_tokens, self._shaped(seqs, proposal, logits))
+            return greedy_walk(proposal.token_ids, proposal.num_tokens, self._shaped(seqs, proposal, logits), argmax)
         uniforms = self._uniforms(seqs, proposal.num_tokens).to(logits.device)
         if proposal.parents is not None:
             return self._verify_trees(seqs, proposal, logits, uniforms)
@@ -435,28 +447,36 @@ class Runner:
         return torch.cat(parts)
 
 
-def _finite_rows(logits: torch.Tensor, num_tokens: list[int]) -> list[bool]:
+def _finite_rows(logits: torch.Tensor, num_tokens: list[int], fine: torch.Tensor | None = None,
+                 argmax: torch.Tensor | None = None) -> list[bool]:
     """[batch] whether each sequence's rows of ``logits`` [num_draft_tokens + batch, V] are all
-    finite; a sequence whose logits hold a NaN or inf fails alone, its rows zeroed for verify.
+    finite; a sequence whose logits hold a NaN or inf fails alone, its rows zeroed for verify (and
+    its rows of ``argmax``, the greedy walk's, set to 0: the zeroed rows' argmax).
 
-    A row's sum is finite only where every logit in it is (a NaN or an inf makes it NaN or inf), so
-    one sum a row clears the rows (~11 us for 151,936 logits where first measured, 50-70 us on an
-    AMD EPYC Zen 1, against ~0.3 ms for torch.isfinite's mask and its threads); a row whose sum is
-    not finite is checked logit by logit, since a sum of finite logits can overflow."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+    ``fine`` [rows] bool: each row's finiteness where the caller has it (sampling.argmax_finite).
+    Otherwise a row's sum is finite only where every logit in it is (a NaN or an inf makes it NaN
+    or inf), so one sum a row clears the rows (~11 us for 151,936 logits where first measured,
+    50-70 us on an AMD EPYC Zen 1, against ~0.3 ms for torch.isfinite's mask and its threads); a
+    row whose sum is not finite is checked logit by logit, since a sum of finite logits can
+    overflow."""
+    if fine is not None:
+        fine = fine.numpy()
+    elif logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is checked below
-            sums = logits.numpy().sum(-1)  # [rows]
+            fine = np.isfinite(logits.numpy().sum(-1))  # [rows]
     else:
-        sums = logits.float().sum(-1).cpu().numpy()
-    if np.isfinite(sums).all():
+        fine = np.isfinite(logits.float().sum(-1).cpu().numpy())
+    if fine.all():
         return [True] * len(num_tokens)
     ok, start = [], 0
     for k in num_tokens:
         rows = logits[start : start + k + 1]
-        good = bool(np.isfinite(sums[start : start + k + 1]).all()) or bool(torch.isfinite(rows).all())
+        good = bool(fine[start : start + k + 1].all()) or bool(torch.isfinite(rows).all())
         if not good:
             with torch.inference_mode():  # the decoder's logits are inference tensors
                 rows.zero_()
+            if argmax is not None:
+                argmax[start : start + k + 1] = 0
         ok.append(good)
         start += k + 1
     return ok

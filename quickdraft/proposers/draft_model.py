@@ -45,7 +45,8 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
-from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
+from quickdraft.proposers.draft_sampling import confident_rows, draw, plain_sampling, temperatures, to_vocab
+from quickdraft.sampling import draw_uniforms
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
                                               top_children, tree_requests)
 
@@ -100,9 +101,11 @@ class DraftModelProposer:
         # a grammar walks along the draft's own tokens, so that each is drawn under its mask; it
         # steps back before verification (structured.py, "draft masks")
         grammars = {i: seqs[i].grammar for i in active if seqs[i].grammar is not None}
-        if (self.native_chains and self.model.native.one_call and active and not sampled and not grammars
+        rows = self.vocab_size if self.head_ids is None else self.head_ids.shape[0]  # the head's
+        if (self.native_chains and self.model.native.one_call and active and not grammars
+                and all(plain_sampling(seqs[i].params, rows) for i in active)
                 and max(len(feed[i]) for i in active) <= MAX_ROW_BY_ROW):
-            return self._native_chains(seqs, num_tokens, active, feed)
+            return self._native_chains(seqs, num_tokens, active, feed, sampled)
         walked = dict.fromkeys(grammars, 0)
         try:
             for step in range(max(num_tokens, default=0)):
@@ -146,14 +149,33 @@ class DraftModelProposer:
         q_all = torch.stack([p for ps in probs for p in ps]) if sampled and flat else None
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
 
-    def _native_chains(self, seqs, num_tokens: list[int], active: list[int], feed: dict[int, list[int]]) -> DraftProposal:
-        """The greedy chains of ``active`` in one native call: the Python loop's tokens and cache,
-        and its cost observations, each pass timed inside the call."""
+    def _native_chains(self, seqs, num_tokens: list[int], active: list[int], feed: dict[int, list[int]],
+                       sampled: bool) -> DraftProposal:
+        """The chains of ``active`` in one native call: the Python loop's tokens, q, cache and
+        generators, and its cost observations, each pass timed inside the call. Sampled, each
+        sequence's uniforms are drawn from its generator as the loop would draw them (one a pass,
+        a greedy sequence's too), all before the call; where the confidence threshold may cut a
+        chain short, each generator is then put back and advanced by the passes its chain ran."""
         slots = [seqs[i].slot for i in active]
         cached = [self._cached[slot] for slot in slots]
         feeds = [feed[i] for i in active]
-        drafted, seconds = self.model.native.chains(self.kv, slots, cached, feeds, [num_tokens[i] for i in active],
-                                                    self.threshold)
+        ks = [num_tokens[i] for i in active]
+        temps = uniforms = states = None
+        if sampled:
+            generators = [seqs[i].generator for i in active]
+            states = [g.get_state() for g in generators] if self.threshold > 0 else None
+            uniforms = torch.zeros(len(active), max(ks), dtype=torch.float64)
+            for a, (g, k) in enumerate(zip(generators, ks)):
+                for j in range(k):
+                    uniforms[a, j] = draw_uniforms(g, 1)[0]
+            temps = temperatures([seqs[i] for i in active]).tolist()
+        drafted, seconds, q = self.model.native.chains(self.kv, slots, cached, feeds, ks, self.threshold, temps, uniforms)
+        if states is not None:  # the uniforms of passes a cut chain did not run go back
+            for a, (g, state) in enumerate(zip(generators, states)):
+                if len(drafted[a]) < ks[a]:
+                    g.set_state(state)
+                    for _ in drafted[a]:
+                        draw_uniforms(g, 1)
         if self.cost is not None:  # pass 0 read the feeds; each later pass one token of each chain still drafting
             ctx, rows = list(cached), [len(f) for f in feeds]
             for p, spent in enumerate(seconds):
@@ -167,7 +189,11 @@ class DraftModelProposer:
         for a, (i, slot) in enumerate(zip(active, slots)):
             drafts[i] = drafted[a]
             self._cached[slot] += len(feeds[a]) + len(drafted[a]) - 1  # the last draft token is not read
-        return DraftProposal(torch.tensor([t for d in drafts for t in d], dtype=torch.long), [len(d) for d in drafts], None)
+        q_all = None
+        if q is not None:  # each drafted token's distribution, sequence by sequence, over the vocabulary
+            q_all = torch.cat([q[a, : len(d)] for a, d in enumerate(drafted)])
+            q_all = to_vocab(torch.zeros(0, dtype=torch.long), q_all, self.head_ids, self.vocab_size)[1]
+        return DraftProposal(torch.tensor([t for d in drafts for t in d], dtype=torch.long), [len(d) for d in drafts], q_all)
 
     def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
         """A token tree for each sequence, grown as EAGLE-2 does (Li et al. 2024, "dynamic draft

@@ -118,11 +118,12 @@ def verify(
     return _to_lists(draft_token_ids, layout, _num_accepted(accepted, layout), final)
 
 
-def greedy_walk(draft_token_ids: Tensor, num_draft_tokens: list[int], target_logits: Tensor) -> VerifyOutput:
+def greedy_walk(draft_token_ids: Tensor, num_draft_tokens: list[int], target_logits: Tensor,
+                argmax: Tensor | None = None) -> VerifyOutput:
     """An all-greedy batch: _greedy_step's rule on lists, one argmax and one host transfer for
     the batch (the ragged layout's dozen small tensors cost more than the walk, plain decoding's
-    one row above all)."""
-    argmax = argmax_rows(target_logits).tolist()  # [num_rows], lowest id on ties
+    one row above all). ``argmax``: the logits' argmax_rows where the caller has it already."""
+    argmax = (argmax_rows(target_logits) if argmax is None else argmax).tolist()  # [num_rows], lowest id on ties
     drafts = draft_token_ids.tolist()
     token_ids, counts, row, at = [], [], 0, 0
     for k in num_draft_tokens:

@@ -11,7 +11,7 @@ from quickdraft.engine.engine import Engine
 from quickdraft.engine.runner import StepTimes, _finite_rows
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
-from quickdraft.sampling import SamplingParams
+from quickdraft.sampling import SamplingParams, argmax_finite, argmax_rows
 
 CONFIG = tiny_config("qwen2", vocab_size=96, hidden_size=64, num_layers=2)
 TARGET = LoadedModel(CONFIG, random_weights(CONFIG, seed=1, scale=2.0), None, "tiny-target")
@@ -21,13 +21,25 @@ TARGET = LoadedModel(CONFIG, random_weights(CONFIG, seed=1, scale=2.0), None, "t
 def test_a_non_finite_logit_fails_its_sequence_alone(bad):
     logits = torch.randn(7, 151936)  # sequences of 2, 0 and 2 drafts: rows 0-2, 3, 4-6
     logits[5, 1234] = bad
+    walk = logits.clone()
     assert _finite_rows(logits, [2, 0, 2]) == [True, True, False]
     assert torch.count_nonzero(logits[4:7]) == 0 and torch.count_nonzero(logits[:4]) > 0  # its rows zeroed for verify
+    # the greedy walk's way: the argmax and the rows' check in one read, and a failed sequence's
+    # argmax is its zeroed rows' (0)
+    argmax, fine = argmax_finite(walk)
+    assert torch.equal(argmax, argmax_rows(walk))
+    if fine is not None:  # the kernels run here
+        assert fine.tolist() == [True] * 5 + [False, True]
+    want = argmax.clone()
+    want[4:7] = 0
+    assert _finite_rows(walk, [2, 0, 2], fine, argmax) == [True, True, False]
+    assert torch.equal(walk, logits) and torch.equal(argmax, want)
 
 
 def test_finite_logits_whose_sum_overflows_pass():
     logits = torch.full((2, 1000), 3e38)  # every logit finite; a row's float32 sum is inf
     assert _finite_rows(logits, [1]) == [True]
+    assert _finite_rows(logits, [1], *argmax_finite(logits)) == [True]
     assert torch.all(logits == 3e38)
 
 

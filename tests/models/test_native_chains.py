@@ -1,7 +1,7 @@
-"""A draft model's greedy chains in one native call (kernels/forward.cpp's ``chains``, through
+"""A draft model's chains in one native call (kernels/forward.cpp's ``chains``, through
 DraftModelProposer._native_chains) must be the Python loop's, step after step: the same draft
 tokens, the same draft cache bit for bit, the same count of cached tokens and the same cost
-observations. The token table's rows and the output head are each dense or in every GGUF block
+observations; sampled, also the same q bits and the same generator states after. The token table's rows and the output head are each dense or in every GGUF block
 format (the rows dequantized in C++ against numpy's), the head whole or truncated, the chains
 catching up, cut by K, by the confidence threshold, or not drafting at all this step."""
 
@@ -19,12 +19,13 @@ from quickdraft.models.decoder import Decoder
 from quickdraft.models.kernels import native_decoder
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.proposers.draft_model import DraftModelProposer
-from quickdraft.sampling import SamplingParams
+from quickdraft.sampling import SamplingParams, make_generator
 
 pytestmark = pytest.mark.skipif(native_decoder() is None, reason="the CPU kernels are not available here")
 
 VOCAB = 200  # not a multiple of 16: the tables' last tile is padded
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
+WARM = SamplingParams(max_tokens=64, temperature=0.8)
 # (token table, output head): every block format once in each, dense for neither
 TABLES = [("Q4_0", "Q8_0"), ("Q4_1", "Q6_K"), ("Q4_K", "Q5_0"), ("Q8_0", "Q4_K"), ("Q5_0", "Q4_1"), ("Q6_K", "Q4_0")]
 
@@ -49,8 +50,9 @@ def draft_model(dtype: torch.dtype, tables: tuple[str, str] | None, head_ids: to
 
 
 class Seq:
-    def __init__(self, slot: int, tokens: list[int]):
-        self.slot, self.token_ids, self.params, self.grammar = slot, list(tokens), GREEDY, None
+    def __init__(self, slot: int, tokens: list[int], params: SamplingParams = GREEDY, seed: int = 0):
+        self.slot, self.token_ids, self.params, self.grammar = slot, list(tokens), params, None
+        self.generator = make_generator(seed, "cpu")
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -67,9 +69,11 @@ class Observed:
         self.passes.append((rows, chains, keys))
 
 
-def drive(draft: Decoder, native: bool, threshold: float, head_ids: torch.Tensor | None, steps: int = 8):
+def drive(draft: Decoder, native: bool, threshold: float, head_ids: torch.Tensor | None, steps: int = 8,
+          params: tuple[SamplingParams, SamplingParams] = (GREEDY, GREEDY), calls_expected: bool = True):
     """Draft, verify at random, commit, ``steps`` times, on 2 sequences (the first one's prompt
-    read ahead, as the engine does; the second's read in its first pass) -> what was seen."""
+    read ahead, as the engine does; the second's read in its first pass) with ``params`` -> what
+    was seen: each step's drafts, cached counts and q, and at the end each generator's state."""
     proposer = DraftModelProposer(draft, num_slots=3, max_len=128, confidence_threshold=threshold, head_ids=head_ids)
     assert proposer.native_chains
     proposer.native_chains = native
@@ -79,7 +83,7 @@ def drive(draft: Decoder, native: bool, threshold: float, head_ids: torch.Tensor
         original = draft.native.chains
         draft.native.chains = lambda *a: calls.append(1) or original(*a)
     rng = random.Random(7)
-    seqs = [Seq(2, [5, 17, 33, 2, 9, 40, 41]), Seq(0, [7, 8, 9])]
+    seqs = [Seq(2, [5, 17, 33, 2, 9, 40, 41], params[0], seed=1), Seq(0, [7, 8, 9], params[1], seed=2)]
     proposer.read_prompt(seqs[:1])
     seqs[0].token_ids.append(11)  # the target's first token, which the draft has not read
     seen = []
@@ -96,19 +100,22 @@ def drive(draft: Decoder, native: bool, threshold: float, head_ids: torch.Tensor
             proposer.observe(seqs, SimpleNamespace(num_accepted=accepted, token_ids=committed))
             for s, t in zip(seqs, committed):
                 s.token_ids += t
-            seen.append((drafts, list(proposer._cached)))
+            seen.append((drafts, list(proposer._cached), proposal.probs))
     finally:
         if native:
             del draft.native.chains
-    assert not native or len(calls) == steps  # every step's chains went through the one call
-    return seen, proposer.kv, proposer.cost.passes
+    assert not native or len(calls) == (steps if calls_expected else 0)  # every step's chains went through the one call
+    return seen, proposer.kv, proposer.cost.passes, [s.generator.get_state() for s in seqs]
 
 
-def assert_same_drafting(draft: Decoder, threshold: float = 0.0, head_ids: torch.Tensor | None = None) -> list:
-    native, kv_native, costs_native = drive(draft, True, threshold, head_ids)
-    python, kv_python, costs_python = drive(draft, False, threshold, head_ids)
+def assert_same_drafting(draft: Decoder, threshold: float = 0.0, head_ids: torch.Tensor | None = None,
+                         params: tuple[SamplingParams, SamplingParams] = (GREEDY, GREEDY)) -> list:
+    native, kv_native, costs_native, gen_native = drive(draft, True, threshold, head_ids, params=params)
+    python, kv_python, costs_python, gen_python = drive(draft, False, threshold, head_ids, params=params)
     for step, (a, b) in enumerate(zip(native, python, strict=True)):
-        assert a == b, f"step {step}: native {a}, python {b}"
+        assert a[:2] == b[:2], f"step {step}: native {a[:2]}, python {b[:2]}"
+        assert (a[2] is None) == (b[2] is None) and (a[2] is None or torch.equal(a[2], b[2])), f"step {step}'s q"
+    assert all(torch.equal(x, y) for x, y in zip(gen_native, gen_python, strict=True))  # the generators drew alike
     for layer in range(draft.num_layers):
         assert torch.equal(kv_native.keys[layer], kv_python.keys[layer]), f"layer {layer}'s keys"
         assert torch.equal(kv_native.values[layer], kv_python.values[layer]), f"layer {layer}'s values"
@@ -119,7 +126,7 @@ def assert_same_drafting(draft: Decoder, threshold: float = 0.0, head_ids: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_dense_tables(dtype):
     seen = assert_same_drafting(draft_model(dtype, None))
-    assert any(len(d) > 1 for drafts, _ in seen for d in drafts)  # chains of several passes were compared
+    assert any(len(d) > 1 for drafts, *_ in seen for d in drafts)  # chains of several passes were compared
 
 
 @pytest.mark.parametrize("tables", TABLES, ids=["-".join(t) for t in TABLES])
@@ -134,13 +141,40 @@ def test_truncated_head(tables):
     """A head of a subset of the vocabulary: its rows' argmax mapped back to vocabulary ids."""
     ids = torch.tensor(sorted(random.Random(3).sample(range(VOCAB), 72)), dtype=torch.long)
     seen = assert_same_drafting(draft_model(torch.bfloat16, tables, ids), head_ids=ids)
-    assert {t for drafts, _ in seen for d in drafts for t in d} <= set(ids.tolist())
+    assert {t for drafts, *_ in seen for d in drafts for t in d} <= set(ids.tolist())
 
 
 def test_confidence_threshold_cuts_the_same_chains():
     seen = assert_same_drafting(draft_model(torch.float32, ("Q4_K", "Q6_K")), threshold=0.3)
-    lengths = [len(d) for drafts, _ in seen for d in drafts]
+    lengths = [len(d) for drafts, *_ in seen for d in drafts]
     assert 1 in lengths and max(lengths) > 1  # some chains were cut after their first token, not all
+
+
+SAMPLED = [("f32-dense", torch.float32, None, False, 0.0), ("bf16-blocks", torch.bfloat16, ("Q8_0", "Q4_K"), False, 0.0),
+           ("truncated", torch.bfloat16, ("Q4_K", "Q6_K"), True, 0.0), ("threshold", torch.float32, None, False, 0.05)]
+
+
+@pytest.mark.parametrize("dtype, tables, truncated, threshold", [c[1:] for c in SAMPLED], ids=[c[0] for c in SAMPLED])
+def test_sampled_chains(dtype, tables, truncated, threshold):
+    """Sampled chains beside a greedy one: each token drawn with the uniform the Python loop would
+    draw for it (kernels/rowwise.h's sampler in both), q handed on alike; with the threshold the
+    chains cut short put back the uniforms they did not use."""
+    ids = torch.tensor(sorted(random.Random(3).sample(range(VOCAB), 72)), dtype=torch.long) if truncated else None
+    seen = assert_same_drafting(draft_model(dtype, tables, ids), threshold, ids, params=(WARM, GREEDY))
+    q = [step[2] for step in seen if step[2] is not None]
+    assert q and all(torch.allclose(x.sum(-1), torch.ones(x.shape[0])) for x in q)
+    greedy_rows = [step[2][len(step[0][0]) :] for step in seen if step[2] is not None]  # the greedy sequence's one-hot rows
+    assert all(torch.equal(r.max(-1).values, torch.ones(r.shape[0])) for r in greedy_rows)
+    if threshold:
+        lengths = [len(d) for drafts, *_ in seen for d in drafts]
+        assert 1 in lengths and max(lengths) > 1
+
+
+def test_filtered_sampling_keeps_the_python_loop():
+    """top-p (and top-k, min-p) draws stay with torch's sampler in the Python loop."""
+    draft = draft_model(torch.float32, None)
+    drive(draft, True, 0.0, None, steps=2, params=(SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9), GREEDY),
+          calls_expected=False)
 
 
 def test_an_empty_feed_is_refused_by_both_loops():
@@ -166,6 +200,10 @@ def test_bad_arguments_are_refused():
         native.chains(proposer.kv, [0], [30], [[1, 2, 3]], [2], 0.0)
     with pytest.raises(RuntimeError, match="at least one token"):
         native.chains(proposer.kv, [0], [0], [[1]], [0], 0.0)
+    with pytest.raises(RuntimeError, match="uniforms"):
+        native.chains(proposer.kv, [0], [0], [[1]], [2], 0.0, [0.5], None)
+    with pytest.raises(RuntimeError, match="temperature"):
+        native.chains(proposer.kv, [0], [0], [[1]], [2], 0.0, [-1.0], torch.zeros(1, 2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="past the table"):
         native._model.set_head(draft.w["model.embed_tokens.weight"].data, 0, VOCAB, draft.lm_head.data, 3, VOCAB,
                                torch.tensor([VOCAB] * VOCAB))

@@ -3,6 +3,7 @@ decoder runs elsewhere, and each row's bits independent of the other rows."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +48,71 @@ def test_rotary(dtype):
     assert torch.equal(got, alone)
     with pytest.raises(RuntimeError, match="past the rotary table"):
         rowwise().rotary(x[:1], r.cos, r.sin, torch.tensor([512]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_finite_is_argmax_rows_and_isfinite(dtype):
+    """One read a row gives sampling.argmax_rows's index (the lowest on ties, the first NaN) and
+    whether the row is finite; rows of a length past a multiple of 16, all negative, so that the
+    tail's padding must not win."""
+    from quickdraft.sampling import argmax_finite, argmax_rows
+
+    torch.manual_seed(0)
+    x = -100 - torch.rand(9, 151936 % 997 + 16 * 40)  # 1,101... values a row: a tail of 13
+    x[0, -1] = -1.0  # the maximum in the tail
+    x[1, 17] = x[1, 90] = -0.5  # a tie
+    x[2, 40], x[2, 30] = float("nan"), float("inf")  # the first NaN, past an infinity
+    x[3, 60] = x[3, 61] = float("inf")
+    x[4, 3], x[4, 100] = float("-inf"), -2.0
+    x[5, 7] = float("nan")
+    x[6, :2] = 3.0
+    x[7] = -0.0
+    x[7, 8] = 0.0
+    x[8] = torch.randn(x.shape[1]) * 5
+    x = x.to(dtype)
+    argmax, fine = argmax_finite(x)
+    assert torch.equal(argmax, argmax_rows(x.float())) and argmax.dtype == torch.int64
+    assert fine.tolist() == torch.isfinite(x).all(-1).tolist()
+    assert [torch.equal(argmax_finite(x[r : r + 1])[0], argmax[r : r + 1]) for r in range(9)] == [True] * 9  # alone as in a batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_draws_from_the_softmax_it_returns(dtype):
+    """kernels.sample_rows (the draft's sampler, proposers/draft_sampling.py): q is softmax(x / t)
+    to float32's rounding; a greedy row is one-hot at its argmax; the token is the first whose
+    float64 cumulative mass passes u x total (checked against numpy's cumulative sum, away from
+    ties at a boundary); a row's draw is the same alone as in a batch."""
+    from quickdraft.sampling import argmax_rows
+
+    kernels = rowwise()
+    torch.manual_seed(1)
+    x = (torch.randn(6, 151936 % 1000 + 4003) * 3).to(dtype)  # a tail past a multiple of 16 and of 256
+    t = torch.tensor([1.0, 0.7, 0.0, 2.5, 0.05, 1.3], dtype=torch.float32)
+    u = torch.tensor([0.0, 0.3, 0.5, 0.999999, 0.61, 0.9999999999], dtype=torch.float64)
+    rows, q = kernels.sample_rows(x, t, u)
+    want = torch.softmax(x.float() / t.clamp(min=1e-30).unsqueeze(1), -1)
+    for r in (0, 1, 3, 4, 5):
+        assert torch.allclose(q[r], want[r], rtol=2e-5, atol=1e-30)
+        cdf = np.cumsum(q[r].double().numpy())
+        point = u[r].item() * cdf[-1]
+        token = int(np.searchsorted(cdf, point, side="right"))
+        if min(abs(cdf[token] - point), abs(point - (cdf[token - 1] if token else 0.0))) > 1e-9 * cdf[-1]:
+            assert rows[r].item() == token, r
+        assert q[r, rows[r]] > 0
+    assert rows[2].item() == argmax_rows(x[2:3].float()).item() and q[2].sum() == 1 and q[2, rows[2]] == 1
+    for r in range(6):  # alone as in the batch
+        alone = kernels.sample_rows(x[r : r + 1].contiguous(), t[r : r + 1], u[r : r + 1])
+        assert torch.equal(alone[0], rows[r : r + 1]) and torch.equal(alone[1], q[r : r + 1])
+
+
+def test_sample_rows_frequencies_follow_q():
+    """Many draws with uniform u from one row: each token's share is its q (total variation)."""
+    kernels = rowwise()
+    x = torch.randn(1, 40) * 2
+    n = 20000
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    rows, q = kernels.sample_rows(x.expand(n, 40).contiguous(), torch.full((n,), 0.9), u)
+    counts = torch.bincount(rows, minlength=40).double() / n
+    assert 0.5 * (counts - q[0].double()).abs().sum() < 0.02
+    with pytest.raises(RuntimeError, match="temperature"):
+        kernels.sample_rows(x, torch.tensor([-1.0]), u[:1])

@@ -145,7 +145,8 @@ void QD_NAME(store_bf16)(const float* x, uint16_t* y, int64_t n) {
 
 // rowwise.h on float32 (bf16 = 0) or bfloat16 values: op 0 RMSNorm of rows [n, h] (b: the weight
 // [h]), 1 a + b, 2 a * b, 3 a converted to the other dtype (y: float32 from bfloat16, or
-// bfloat16 from float32), 4 silu(a) * b, over count = n * h values
+// bfloat16 from float32), 4 silu(a) * b, over count = n * h values; 5 each row's argmax_row of a
+// [n, h] into y as int64 pairs (its index, whether the row is finite)
 void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, int64_t n, int64_t h) {
   auto run = [&](auto* A, auto* B, auto* Y) {
     if (op == 0) qd::rms_rows(A, B, Y, n, h, 1e-6f);
@@ -153,6 +154,16 @@ void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, i
     if (op == 2) qd::mul_values(A, B, Y, n * h);
     if (op == 4) qd::silu_mul_values(A, B, Y, n * h);
   };
+  if (op == 5) {
+    auto* out = static_cast<int64_t*>(y);
+    for (int64_t r = 0; r < n; ++r) {
+      bool finite = false;
+      out[2 * r] = bf16 ? qd::argmax_row(static_cast<const uint16_t*>(a) + r * h, h, &finite)
+                        : qd::argmax_row(static_cast<const float*>(a) + r * h, h, &finite);
+      out[2 * r + 1] = finite;
+    }
+    return;
+  }
   if (op == 3) {
     if (bf16) qd::convert_values(static_cast<const uint16_t*>(a), static_cast<float*>(y), n * h);
     else qd::convert_values(static_cast<const float*>(a), static_cast<uint16_t*>(y), n * h);

@@ -293,6 +293,42 @@ void test_rowwise(const Kernels& k, const Kernels& ref) {
       check(special, isa + type + " silu_mul keeps NaN and infinity");
       check(worst < (bf16 ? 8e-3 : 1e-6), isa + type + " silu_mul close to exact (" + std::to_string(worst) + ")");
     }
+    {  // argmax_row: sampling.argmax_rows's index (lowest on ties, first NaN) and the row's finiteness,
+       // rows of every length past a multiple of 16 (the tail padded), all negative or not
+      const int64_t h = 16 * 9 + 5;
+      std::vector<float> R(8 * h);
+      for (auto& v : R) v = -100.0f - std::abs(normal(rng));  // every value negative: the tail's pad must not win
+      R[0 * h + h - 1] = -1.0f;                                  // the maximum in the tail
+      R[1 * h + 17] = R[1 * h + 90] = -0.5f;                     // a tie: the lower index
+      R[2 * h + 40] = NAN, R[2 * h + 30] = INFINITY;             // the first NaN, past an infinity
+      R[3 * h + 60] = INFINITY, R[3 * h + 61] = INFINITY;        // the first infinity
+      R[4 * h + 3] = -INFINITY, R[4 * h + 100] = -2.0f;          // a minus infinity: not finite, yet its argmax is the maximum
+      R[5 * h + 144] = 7.0f;                                     // the last full block's last lane
+      R[6 * h + 0] = 3.0f, R[6 * h + 1] = 3.0f;                  // the first value
+      for (int64_t i = 0; i < h; ++i) R[7 * h + i] = -0.0f;      // all zeros, of both signs: index 0
+      R[7 * h + 8] = 0.0f;
+      std::vector<uint16_t> Rh(R.size());
+      for (size_t i = 0; i < R.size(); ++i) Rh[i] = torch_bf16(R[i]);
+      for (int half : {0, 1}) {
+        std::vector<int64_t> got(16), want(16);
+        const void* a = half ? static_cast<const void*>(Rh.data()) : R.data();
+        k.rowwise(5, half, a, nullptr, got.data(), 8, h);
+        bool exact = true;
+        for (int64_t r = 0; r < 8; ++r) {
+          int64_t best = 0;
+          float m = half ? widen(Rh[r * h]) : R[r * h];
+          bool finite = std::isfinite(m);
+          for (int64_t i = 1; i < h; ++i) {
+            const float v = half ? widen(Rh[r * h + i]) : R[r * h + i];
+            finite = finite && std::isfinite(v);
+            if (!std::isnan(m) && (v > m || std::isnan(v))) best = i, m = v;
+          }
+          want[2 * r] = best, want[2 * r + 1] = finite;
+          exact = exact && got[2 * r] == best && got[2 * r + 1] == finite;
+        }
+        check(exact, isa + (half ? " bf16" : " f32") + " argmax_row: the lowest index, the first NaN, finiteness");
+      }
+    }
     std::vector<float> back(count);
     std::vector<uint16_t> narrow(count);
     if (bf16) {

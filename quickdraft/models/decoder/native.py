@@ -96,21 +96,26 @@ class NativeLayers:
 
     @torch.inference_mode()  # as Decoder.forward: the caches and the workspace are inference tensors
     def chains(self, kv: KVCache, slots: list[int], cached: list[int], feeds: list[list[int]], ks: list[int],
-               threshold: float) -> tuple[list[list[int]], list[float]]:
-        """Greedy draft chains in one call (after ``set_head``): sequence i reads ``feeds[i]`` at
-        positions ``cached[i]``.. of slot ``slots[i]``, then drafts the head's argmax pass by pass,
-        each token read by the next pass, until it has ``ks[i]`` tokens or its last token's
-        probability (the head's softmax) is below ``threshold`` (<= 0: never); its last token is
-        not read. What DraftModelProposer's Python loop does, greedy, with the same bits. ->
-        (each sequence's draft tokens, each pass's seconds)."""
+               threshold: float, temperatures: list[float] | None = None, uniforms: torch.Tensor | None = None,
+               ) -> tuple[list[list[int]], list[float], torch.Tensor | None]:
+        """Draft chains in one call (after ``set_head``): sequence i reads ``feeds[i]`` at
+        positions ``cached[i]``.. of slot ``slots[i]``, then drafts pass by pass, each token read
+        by the next pass, until it has ``ks[i]`` tokens or its last token's probability (the
+        head's softmax) is below ``threshold`` (<= 0: never); its last token is not read. Greedy
+        (the head's argmax), or with ``temperatures`` [batch] (0: greedy) and ``uniforms`` [batch,
+        max K] float64, sequence i's j-th token drawn at temperatures[i] with uniforms[i, j]
+        (draft_sampling.draw's kernel: no top-k, top-p or min-p). What DraftModelProposer's Python
+        loop does, with the same bits. -> (each sequence's draft tokens, each pass's seconds, and
+        where sampled q [batch, max K, head rows] float32: the distribution each token was drawn
+        from, row j of sequence i for its j-th token; else None)."""
         tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long)
-        out, counts, seconds = self._model.chains(tokens, kv.keys, kv.values, slots, cached, [len(f) for f in feeds], ks,
-                                                  threshold)
+        out, counts, seconds, q = self._model.chains(tokens, kv.keys, kv.values, slots, cached, [len(f) for f in feeds], ks,
+                                                     threshold, temperatures or [], uniforms)
         flat, drafts, at = out.tolist(), [], 0
         for n in counts.tolist():
             drafts.append(flat[at : at + n])
             at += n
-        return drafts, seconds.tolist()
+        return drafts, seconds.tolist(), q if temperatures else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata, trees,
                 num_layers: int, capture: tuple[int, ...]) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":

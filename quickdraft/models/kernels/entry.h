@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <tuple>
 #include <vector>
 
 #include "blocks.h"  // qd::Weights
@@ -56,6 +57,8 @@ void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tenso
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
 void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
+std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x);
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms);
 
 // layer.cpp
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,

@@ -28,6 +28,7 @@
 
 #include "entry.h"
 #include "layer.h"
+#include "rowwise.h"
 
 namespace {
 
@@ -90,55 +91,37 @@ void block_row(const uint8_t* tiles, int64_t K, int64_t row, float* out) {
   }
 }
 
-template <typename T>
-inline float value_of(const T* x, int64_t i) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x[i];
-  } else {
-    return simd::from_bf16(x[i]);
-  }
-}
-
-template <typename T>
-inline simd::F16 load16(const T* x, int64_t i, int64_t n, float pad) {  // x[i..i+15], past n: pad
-  if (i + 16 <= n) return simd::load_f(x + i);
-  alignas(64) float t[16];
-  for (int j = 0; j < 16; ++j) t[j] = i + j < n ? value_of(x, i + j) : pad;
-  return simd::load_f(t);
-}
-
-// A row of logits [n] -> its argmax as sampling.argmax_rows takes it (the lowest index on ties,
-// the first NaN where there is one) and, when `confidence`, that token's probability under the
-// softmax at temperature 1, 1 / sum(e^(x - max)) (simd.h's exp_neg; torch's softmax adds in
-// another order, so the two may differ in the last bits: the probability only decides where a
-// draft stops, never what the target accepts).
+// A row of logits [n] -> its argmax as sampling.argmax_rows takes it (rowwise.h's argmax_row) and,
+// when `confidence`, that token's probability under the softmax at temperature 1,
+// 1 / sum(e^(x - max)) (simd.h's exp_neg; torch's softmax adds in another order, so the two may
+// differ in the last bits: the probability only decides where a draft stops, never what the
+// target accepts).
 template <typename T>
 std::pair<int64_t, float> choose(const T* x, int64_t n, bool confidence) {
-  simd::F16 top = simd::set1_f(-INFINITY), nonfinite = simd::zero_f();
-  const simd::F16 zero = simd::zero_f();
-  for (int64_t i = 0; i < n; i += 16) {
-    const simd::F16 v = load16(x, i, n, -INFINITY);
-    top = simd::max(top, v);
-    nonfinite = simd::add(nonfinite, simd::mul(zero, load16(x, i, n, 0.0f)));  // NaN where any is inf or NaN
-  }
-  int64_t best = 0;
-  float m;
-  if (std::isnan(simd::reduce_add(nonfinite))) {  // the rare row with an infinity or a NaN: one value at a time
-    m = value_of(x, 0);
-    for (int64_t i = 1; i < n && !std::isnan(m); ++i) {
-      const float v = value_of(x, i);
-      if (v > m || std::isnan(v)) best = i, m = v;
-    }
-    if (!std::isfinite(m)) return {best, NAN};  // torch's softmax: NaN
-  } else {
-    m = simd::reduce_max(top);
-    while (value_of(x, best) != m) ++best;
-  }
+  const int64_t best = qd::argmax_row(x, n);
+  const float m = qd::to_float(x[best]);
+  if (!std::isfinite(m)) return {best, NAN};  // torch's softmax: NaN
   if (!confidence) return {best, 1.0f};
   simd::F16 sum = simd::zero_f();
   const simd::F16 minus = simd::set1_f(-m);
-  for (int64_t i = 0; i < n; i += 16) sum = simd::add(sum, simd::exp_neg(simd::add(load16(x, i, n, -INFINITY), minus)));
+  for (int64_t i = 0; i < n; i += 16) sum = simd::add(sum, simd::exp_neg(simd::add(qd::load16(x, i, n, -INFINITY), minus)));
   return {best, 1.0f / simd::reduce_add(sum)};
+}
+
+// The probability of row `token` of logits [n] under the softmax at temperature 1, as choose()
+// reads it for the argmax (proposers/draft_sampling.py's confident_rows: a sampled draft's cut).
+template <typename T>
+float prob_of(const T* x, int64_t n, int64_t token) {
+  simd::F16 top = simd::set1_f(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) top = simd::max(top, qd::load16(x, i, n, -INFINITY));
+  const float m = simd::reduce_max(top);
+  simd::F16 sum = simd::zero_f();
+  const simd::F16 minus = simd::set1_f(-m);
+  for (int64_t i = 0; i < n; i += 16) sum = simd::add(sum, simd::exp_neg(simd::add(qd::load16(x, i, n, -INFINITY), minus)));
+  const simd::F16 e = simd::exp_neg(simd::add(simd::set1_f(qd::to_float(x[token])), minus));
+  alignas(64) float lanes[16];
+  simd::store_f(lanes, e);
+  return lanes[0] / simd::reduce_add(sum);
 }
 
 class NativeDecoder {
@@ -263,11 +246,32 @@ class NativeDecoder {
   // and the next pass reads it, until sequence i has ks[i] tokens or a token's probability under
   // the head's softmax is below `threshold` (that token is its last; threshold <= 0: never). A
   // sequence's last token is not read. -> [tokens [sum of counts] int64, vocabulary ids sequence
-  // by sequence; counts [batch] int64; seconds [passes] float64, each pass's own]
+  // by sequence; counts [batch] int64; seconds [passes] float64, each pass's own; q]
+  //
+  // Sampled chains (proposers/draft_sampling.py's draw, with no top-k, top-p or min-p): with
+  // `temperatures` [batch] (0: greedy) and `uniforms` [batch, K] float64, sequence i's j-th token
+  // is rowwise.h's sample_one at temperatures[i] with uniforms[i][j], and q [batch, K, head rows]
+  // float32 holds the distribution each was drawn from (a greedy sequence's one-hot); the
+  // threshold then reads the token's probability at temperature 1 (prob_of). Without them q is
+  // empty.
   std::vector<torch::Tensor> chains(torch::Tensor tokens, std::vector<torch::Tensor> kcaches, std::vector<torch::Tensor> vcaches,
                                     std::vector<int64_t> slots, std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
-                                    std::vector<int64_t> ks, double threshold) {
+                                    std::vector<int64_t> ks, double threshold, std::vector<double> temperatures,
+                                    c10::optional<torch::Tensor> uniforms) {
     const size_t batch = slots.size();
+    const bool sampled = !temperatures.empty();
+    int64_t kmax = 0;
+    for (const int64_t k : ks) kmax = std::max(kmax, k);
+    torch::Tensor coins, qout;
+    if (sampled) {
+      TORCH_CHECK(temperatures.size() == batch, "a temperature a sequence");
+      for (const double t : temperatures) TORCH_CHECK(t >= 0.0 && std::isfinite(t), "temperature ", t);
+      TORCH_CHECK(uniforms.has_value() && uniforms->scalar_type() == torch::kFloat64 && uniforms->dim() == 2 &&
+                      uniforms->size(0) == static_cast<int64_t>(batch) && uniforms->size(1) >= kmax,
+                  "uniforms [batch, K] float64 with sampled chains");
+      coins = uniforms->contiguous();
+      qout = torch::empty({static_cast<int64_t>(batch), kmax, head_rows_}, torch::kFloat32);
+    }
     std::lock_guard<std::mutex> lock(mutex_);  // one pass at a time, and set_head not in between
     TORCH_CHECK(embed_.defined(), "set_head first");
     TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && tokens.is_contiguous(), "tokens [n] int64");
@@ -332,8 +336,19 @@ class NativeDecoder {
       std::vector<size_t> next;
       for (int64_t a = 0; a < m; ++a) {
         const size_t i = active[a];
-        const auto [row, p] = f32 ? choose(logits[a].data_ptr<float>(), head_rows_, threshold > 0)
-                                  : choose(reinterpret_cast<const uint16_t*>(logits[a].data_ptr()), head_rows_, threshold > 0);
+        int64_t row;
+        float p;
+        const auto pick = [&](const auto* x) {
+          if (!sampled) {
+            std::tie(row, p) = choose(x, head_rows_, threshold > 0);
+            return;
+          }
+          const int64_t j = static_cast<int64_t>(drafts[i].size());
+          float* qrow = qout.data_ptr<float>() + (static_cast<int64_t>(i) * kmax + j) * head_rows_;
+          row = qd::sample_one(x, head_rows_, static_cast<float>(temperatures[i]), coins.data_ptr<double>()[i * coins.size(1) + j], qrow);
+          p = threshold > 0 ? prob_of(x, head_rows_, row) : 1.0f;
+        };
+        f32 ? pick(logits[a].data_ptr<float>()) : pick(reinterpret_cast<const uint16_t*>(logits[a].data_ptr()));
         const int64_t token = ids ? ids[row] : row;
         drafts[i].push_back(token);
         context_lens[i] += query_lens[i];
@@ -352,7 +367,7 @@ class NativeDecoder {
     torch::Tensor out = torch::empty({total}, torch::kInt64);
     int64_t* o = out.data_ptr<int64_t>();
     for (const auto& d : drafts) o = std::copy(d.begin(), d.end(), o);
-    return {out, counts, torch::tensor(times, torch::kFloat64)};
+    return {out, counts, torch::tensor(times, torch::kFloat64), sampled ? qout : torch::empty({0}, torch::kFloat32)};
   }
 
  private:
@@ -451,7 +466,7 @@ void register_forward(pybind11::module& m) {
            "the decoder's layers and final norm over a pass's new tokens, in one call")
       .def("set_head", &NativeDecoder::set_head, "the token table and output head that chains() reads")
       .def("chains", &NativeDecoder::chains, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "greedy draft chains, every pass in one call")
+           "greedy or sampled draft chains, every pass in one call")
       .def("set_profiling", &NativeDecoder::set_profiling, "while on, passes add where their layers' time goes (from zero)")
       .def_property_readonly("times", &NativeDecoder::times, "seconds in (matrices, attention, other) since profiling went on");
 }

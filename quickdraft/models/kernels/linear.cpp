@@ -90,6 +90,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_tree", &attend_tree, "row j of q attends over the context and its own path of new tokens, as a chain would");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's");
   m.def("rotary", &rotary, "rotate-half rotary embedding of each row");
+  m.def("argmax_finite", &argmax_finite, "each row's argmax (the lowest index on ties, the first NaN) and whether it is finite, in one read");
+  m.def("sample_rows", &sample_rows, "draft tokens drawn at each row's temperature (0: the argmax) with given uniforms, and the q each was drawn from");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, each step rounded to the dtype as torch rounds it");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");
   m.def("decoder_layer", &decoder_layer, "one decoder layer for chains or token trees of new tokens: the Python path's kernels in one call");

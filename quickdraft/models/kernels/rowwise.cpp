@@ -129,3 +129,55 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torc
   rotary_into(x, cos, sin, positions, y);
   return y;
 }
+
+// each row's argmax of x [M, V] (float32 or bfloat16, as sampling.argmax_rows: the lowest index on
+// ties, the first NaN) and whether the row is finite, from one read of the row (rowwise.h's
+// argmax_row): the verifier's greedy walk and its check of the logits (engine/runner.py), where
+// numpy's argmax and sum read a 151,936-logit row twice (~0.13 ms each on an AMD EPYC Zen 1, the
+// row fresh from the output head and larger than a core's L2). Rows over the threads.
+std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0, "x [M, V] contiguous, V > 0");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+  const int64_t M = x.size(0), V = x.size(1);
+  auto index = torch::empty({M}, x.options().dtype(torch::kInt64));
+  auto finite = torch::empty({M}, x.options().dtype(torch::kBool));
+  int64_t* out = index.data_ptr<int64_t>();
+  bool* ok = finite.data_ptr<bool>();
+  const bool f32 = x.scalar_type() == torch::kFloat32;
+  const void* base = x.data_ptr();
+#pragma omp parallel for schedule(static) if (M > 1)
+  for (int64_t r = 0; r < M; ++r) {
+    out[r] = f32 ? qd::argmax_row(static_cast<const float*>(base) + r * V, V, ok + r)
+                 : qd::argmax_row(static_cast<const uint16_t*>(base) + r * V, V, ok + r);
+  }
+  return {index, finite};
+}
+
+// A draft's tokens drawn from logits [M, N] (float32 or bfloat16) at each row's temperature [M]
+// (float32; 0: greedy, the argmax) with uniforms [M] (float64, in [0, 1)): no top-k, top-p or
+// min-p (proposers/draft_sampling.py keeps torch's path for those). -> (rows [M] int64, q [M, N]
+// float32: rowwise.h's softmax_row, the distribution each row was drawn from; a greedy row's is
+// one-hot at its argmax, as sampling.logits_to_probs gives it). Rows over the threads.
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "logits [M, N] contiguous, N > 0");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16, "float32 or bfloat16 logits");
+  const int64_t M = logits.size(0), N = logits.size(1);
+  TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.dim() == 1 && temperature.size(0) == M, "temperature [M] float32");
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.dim() == 1 && uniforms.size(0) == M, "uniforms [M] float64");
+  const torch::Tensor t = temperature.contiguous(), u = uniforms.contiguous();
+  const float* tp = t.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(tp[r] >= 0.0f && std::isfinite(tp[r]), "temperature ", tp[r], " of row ", r);
+  auto rows = torch::empty({M}, logits.options().dtype(torch::kInt64));
+  auto q = torch::empty({M, N}, logits.options().dtype(torch::kFloat32));
+  int64_t* out = rows.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  const bool f32 = logits.scalar_type() == torch::kFloat32;
+  const void* base = logits.data_ptr();
+#pragma omp parallel for schedule(static) if (M > 1)
+  for (int64_t r = 0; r < M; ++r) {
+    const auto draw = [&](const auto* x) { out[r] = qd::sample_one(x + r * N, N, tp[r], up[r], qp + r * N); };
+    f32 ? draw(static_cast<const float*>(base)) : draw(static_cast<const uint16_t*>(base));
+  }
+  return {rows, q};
+}

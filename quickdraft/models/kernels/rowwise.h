@@ -15,6 +15,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <vector>
+#include <algorithm>
 
 #include "simd.h"
 
@@ -177,6 +180,147 @@ void silu_mul_values(const T* gate, const T* up, T* out, int64_t count) {
 template <typename From, typename To>
 void convert_values(const From* src, To* dst, int64_t count) {
   in_sixteens(count, [&](int n, int64_t i) { store_n(dst + i, load_n(src + i, n), n); });
+}
+
+template <typename T>
+inline simd::F16 load16(const T* x, int64_t i, int64_t n, float pad) {  // x[i..i+15], past n: pad
+  if (i + 16 <= n) return simd::load_f(x + i);
+  alignas(64) float t[16];
+  for (int j = 0; j < 16; ++j) t[j] = i + j < n ? to_float(x[i + j]) : pad;
+  return simd::load_f(t);
+}
+
+// A row of logits [n] -> its argmax as sampling.argmax_rows takes it: the lowest index on ties,
+// the first NaN where there is one. With `finite`: whether every value is finite, from the same
+// read (the verifier's check of a step's logits, engine/runner.py). One vector pass, by chunks of
+// 256 values, finds the maximum, the first chunk that holds it, and whether anything is an
+// infinity or a NaN (0 x v is NaN exactly there); then that chunk alone is searched for the index
+// (searching the row from its start took as long as the pass, AMD EPYC Zen 1). The rare row with
+// an infinity or a NaN is walked a value at a time.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n, bool* finite = nullptr) {
+  constexpr int64_t CHUNK = 256;
+  simd::F16 nonfinite = simd::zero_f();
+  const simd::F16 zero = simd::zero_f();
+  float best_value = -INFINITY;
+  int64_t best_chunk = 0;
+  for (int64_t c = 0; c < n; c += CHUNK) {
+    const int64_t end = c + CHUNK < n ? c + CHUNK : n;
+    simd::F16 top = simd::set1_f(-INFINITY);
+    for (int64_t i = c; i < end; i += 16) {
+      top = simd::max(top, load16(x, i, end, -INFINITY));
+      nonfinite = simd::add(nonfinite, simd::mul(zero, load16(x, i, end, 0.0f)));  // NaN where any is inf or NaN
+    }
+    const float m = simd::reduce_max(top);
+    if (m > best_value) best_value = m, best_chunk = c;  // a later chunk's equal maximum does not count
+  }
+  const bool all_finite = !std::isnan(simd::reduce_add(nonfinite));
+  if (finite != nullptr) *finite = all_finite;
+  int64_t best = 0;
+  if (!all_finite) {
+    float m = to_float(x[0]);
+    for (int64_t i = 1; i < n && !std::isnan(m); ++i) {
+      const float v = to_float(x[i]);
+      if (v > m || std::isnan(v)) best = i, m = v;
+    }
+  } else {
+    best = best_chunk;
+    while (to_float(x[best]) != best_value) ++best;
+  }
+  return best;
+}
+
+// A draft's sampling distribution at temperature t > 0 with no top-k, top-p or min-p:
+// q [n] = softmax(x / t) of a row of logits [n], each x / t divided in float32 as torch divides,
+// e^(x / t - max) from simd.h's exp_neg (the same bits on every ISA; below e^-87 it gives e^-87,
+// where torch's would give less or 0) summed in simd.h's order, each divided by the sum. Written
+// by hand for proposers/draft_sampling.py and the draft's native chains (forward.cpp), which must
+// draw from the same q: torch's softmax took ~0.35 ms a 151,936-logit row, its double cumulative
+// sum for the draw as long again (AMD EPYC Zen 1), against a draft pass of ~14 ms.
+template <typename T>
+void softmax_row(const T* x, int64_t n, float t, float* q) {
+  const simd::F16 tv = simd::set1_f(t);
+  simd::F16 top = simd::set1_f(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) top = simd::max(top, simd::div(load16(x, i, n, -INFINITY), tv));
+  const simd::F16 minus = simd::set1_f(-simd::reduce_max(top));
+  simd::F16 sum = simd::zero_f();
+  for (int64_t i = 0; i < n; i += 16) {
+    const int live = n - i < 16 ? static_cast<int>(n - i) : 16;
+    simd::F16 e = simd::exp_neg(simd::add(simd::div(load16(x, i, n, 0.0f), tv), minus));
+    if (live < 16) {  // the tail's padding adds nothing
+      alignas(64) float tail[16];
+      simd::store_f(tail, e);
+      for (int j = live; j < 16; ++j) tail[j] = 0.0f;
+      e = simd::load_f(tail);
+    }
+    sum = simd::add(sum, e);
+    store_n(q + i, e, live);
+  }
+  const simd::F16 total = simd::set1_f(simd::reduce_add(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const int live = n - i < 16 ? static_cast<int>(n - i) : 16;
+    store_n(q + i, simd::div(load_n(q + i, live), total), live);
+  }
+}
+
+// A token drawn from q [n] (q >= 0, some mass; need not sum to 1) with a uniform u in [0, 1):
+// the first index whose cumulative mass exceeds u x total, the point kept below the total so that
+// u -> 1 cannot run off the end, so a token of mass 0 is never drawn (sampling.sample_from_probs's
+// rule). The cumulative mass is in float64, by blocks of 256 values: a block's start is the sum of
+// the blocks before it (added in order); within a block four running sums take every fourth
+// value, and a value's mass is the start plus (s0 + s1) + (s2 + s3) as they stand after it (the
+// block's last value then gives its sum; each value only raises one running sum, so the mass
+// never falls, and stays put over a value of 0). Four chains, not one: a float64 walk over the
+// whole row is 151,936 dependent adds. Only the block that holds the point is walked value by value.
+inline int64_t sample_row(const float* q, int64_t n, double u) {
+  constexpr int64_t BLOCK = 256;
+  const auto block_sum = [&](int64_t from, int64_t to, int64_t stop, double start, double point) -> std::pair<double, int64_t> {
+    // the block [from, to)'s sum; with stop >= 0 (walking it), the first value whose mass passes point
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int64_t i = from;
+    if (stop < 0) {
+      for (; i + 4 <= to; i += 4) s0 += q[i], s1 += q[i + 1], s2 += q[i + 2], s3 += q[i + 3];
+    }
+    for (; i < to; ++i) {
+      const int64_t lane = (i - from) & 3;
+      (lane == 0 ? s0 : lane == 1 ? s1 : lane == 2 ? s2 : s3) += q[i];
+      if (stop >= 0 && start + ((s0 + s1) + (s2 + s3)) > point) return {0.0, i};
+    }
+    return {(s0 + s1) + (s2 + s3), -1};
+  };
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<double> sums(blocks);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    sums[b] = block_sum(b * BLOCK, std::min(n, (b + 1) * BLOCK), -1, 0.0, 0.0).first;
+    total += sums[b];
+  }
+  const double point = std::min(u * total, std::nextafter(total, 0.0));
+  double start = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (start + sums[b] > point) {
+      const int64_t i = block_sum(b * BLOCK, std::min(n, (b + 1) * BLOCK), 0, start, point).second;
+      if (i >= 0) return i;
+    }
+    start += sums[b];
+  }
+  int64_t last = n - 1;  // not reached where q has mass: the last value of mass
+  while (last > 0 && !(q[last] > 0.0f)) --last;
+  return last;
+}
+
+// One row's draw: at temperature t > 0 softmax_row into q [n] and sample_row with u; at t = 0 the
+// argmax, q one-hot there (sampling.logits_to_probs's greedy row). -> the head row drawn
+template <typename T>
+int64_t sample_one(const T* x, int64_t n, float t, double u, float* q) {
+  if (t == 0.0f) {
+    const int64_t best = argmax_row(x, n);
+    std::memset(q, 0, sizeof(float) * n);
+    q[best] = 1.0f;
+    return best;
+  }
+  softmax_row(x, n, t, q);
+  return sample_row(q, n, u);
 }
 
 }  // namespace QD_ISA_NS
