@@ -146,7 +146,9 @@ void QD_NAME(store_bf16)(const float* x, uint16_t* y, int64_t n) {
 // rowwise.h on float32 (bf16 = 0) or bfloat16 values: op 0 RMSNorm of rows [n, h] (b: the weight
 // [h]), 1 a + b, 2 a * b, 3 a converted to the other dtype (y: float32 from bfloat16, or
 // bfloat16 from float32), 4 silu(a) * b, over count = n * h values; 5 each row's argmax_row of a
-// [n, h] into y as int64 pairs (its index, whether the row is finite)
+// [n, h] into y as int64 pairs (its index, whether the row is finite); 6 each row's sample_one of a
+// [n, h] at temperature 0.7 (row 0: 0, greedy) with u = (r + 0.5) / n: q into y [n, h] float32,
+// then the n tokens as floats
 void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, int64_t n, int64_t h) {
   auto run = [&](auto* A, auto* B, auto* Y) {
     if (op == 0) qd::rms_rows(A, B, Y, n, h, 1e-6f);
@@ -154,6 +156,16 @@ void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, i
     if (op == 2) qd::mul_values(A, B, Y, n * h);
     if (op == 4) qd::silu_mul_values(A, B, Y, n * h);
   };
+  if (op == 6) {
+    auto* q = static_cast<float*>(y);
+    for (int64_t r = 0; r < n; ++r) {
+      const float t = r == 0 ? 0.0f : 0.7f;
+      const double u = (r + 0.5) / static_cast<double>(n);
+      q[n * h + r] = static_cast<float>(bf16 ? qd::sample_one(static_cast<const uint16_t*>(a) + r * h, h, t, u, q + r * h)
+                                             : qd::sample_one(static_cast<const float*>(a) + r * h, h, t, u, q + r * h));
+    }
+    return;
+  }
   if (op == 5) {
     auto* out = static_cast<int64_t*>(y);
     for (int64_t r = 0; r < n; ++r) {

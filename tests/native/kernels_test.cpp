@@ -329,6 +329,45 @@ void test_rowwise(const Kernels& k, const Kernels& ref) {
         check(exact, isa + (half ? " bf16" : " f32") + " argmax_row: the lowest index, the first NaN, finiteness");
       }
     }
+    {  // sample_one: q = softmax(x / t) and the draw, the portable bits on every ISA; q close to exact and
+       // summing to 1; the token the first whose cumulative mass passes u x total (away from a boundary)
+      const int64_t n = 5, h = 16 * 40 + 7;
+      std::vector<float> X(n * h);
+      for (auto& v : X) v = 3.0f * normal(rng);
+      std::vector<uint16_t> Xh(X.size());
+      for (size_t i = 0; i < X.size(); ++i) Xh[i] = torch_bf16(X[i]);
+      for (int half : {0, 1}) {
+        std::vector<float> q(n * h + n), qr(n * h + n);
+        const void* a = half ? static_cast<const void*>(Xh.data()) : X.data();
+        k.rowwise(6, half, a, nullptr, q.data(), n, h);
+        ref.rowwise(6, half, a, nullptr, qr.data(), n, h);
+        const std::string what = isa + (half ? " bf16" : " f32") + " sample_one";
+        check(std::memcmp(q.data(), qr.data(), sizeof(float) * q.size()) == 0, what + " equals portable");
+        bool close = true, drawn = true;
+        for (int64_t r = 1; r < n; ++r) {
+          double m = -INFINITY, sum = 0.0, mass = 0.0, cum = 0.0;
+          for (int64_t i = 0; i < h; ++i) m = std::max(m, static_cast<double>(half ? widen(Xh[r * h + i]) : X[r * h + i]) / 0.7);
+          for (int64_t i = 0; i < h; ++i) sum += std::exp(static_cast<double>(half ? widen(Xh[r * h + i]) : X[r * h + i]) / 0.7 - m);
+          for (int64_t i = 0; i < h; ++i) {
+            const double want = std::exp(static_cast<double>(half ? widen(Xh[r * h + i]) : X[r * h + i]) / 0.7 - m) / sum;
+            close = close && std::abs(q[r * h + i] - want) <= 1e-5 * want + 1e-37;
+            mass += q[r * h + i];
+          }
+          close = close && std::abs(mass - 1.0) < 1e-5;
+          const double point = (r + 0.5) / n * mass;
+          int64_t token = 0;
+          while (cum + q[r * h + token] <= point) cum += q[r * h + token++];
+          if (std::abs(cum - point) > 1e-9 && std::abs(cum + q[r * h + token] - point) > 1e-9)
+            drawn = drawn && static_cast<int64_t>(q[n * h + r]) == token;
+        }
+        check(close, what + " q close to softmax(x / t)");
+        check(drawn, what + " draws by the cumulative mass");
+        int64_t best = 0;  // row 0 greedy: the argmax, q one-hot
+        for (int64_t i = 1; i < h; ++i)
+          if ((half ? widen(Xh[i]) : X[i]) > (half ? widen(Xh[best]) : X[best])) best = i;
+        check(static_cast<int64_t>(q[n * h]) == best && q[best] == 1.0f, what + " greedy row: the argmax, one-hot");
+      }
+    }
     std::vector<float> back(count);
     std::vector<uint16_t> narrow(count);
     if (bf16) {
