@@ -13,36 +13,20 @@ from quickdraft.sampling import BatchSampling, argmax_rows, draw_uniforms, logit
 def draw(seqs, logits: torch.Tensor, sampled: bool):
     """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
     batch samples (the request's temperature, top-k and top-p shape the head's N logits). Each
-    sequence draws one uniform from its generator (a greedy one too, in a sampled batch). Where
-    the CPU kernels run and no row has top-k, top-p or min-p, the kernels draw (kernels/rowwise.h's
-    sample_one: their own softmax and float64 cumulative mass, several times faster than torch's
-    on a 151,936-row head), as the draft's native chains do, so the two draw the same tokens."""
+    sequence draws one uniform from its generator (a greedy one too, in a sampled batch). On the
+    CPU, rows without top-k, top-p or min-p are drawn by the kernels (sampling.logits_to_probs
+    and sample_from_probs), as the draft's native chains draw them: the same tokens and q."""
     if not sampled:
         return argmax_rows(logits), None
-    uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs])
-    kernels = sampler(logits, [s.params for s in seqs])
-    if kernels is not None:
-        return kernels.sample_rows(logits.contiguous(), temperatures(seqs), uniforms.cpu())
     batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
-    return sample_draft(logits, batch, uniforms.to(logits.device))
+    uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
+    return sample_draft(logits, batch, uniforms)
 
 
 def plain_sampling(params, rows: int) -> bool:
     """Whether a request's draws over a head of ``rows`` rows need no top-k, top-p or min-p (what
-    the kernels' sampler draws), as sampling.logits_to_probs decides it."""
+    the native chains draw), as sampling.logits_to_probs decides it."""
     return params.greedy or (not 0 < params.top_k < rows and params.top_p >= 1 and params.min_p <= 0)
-
-
-def sampler(logits: torch.Tensor, params) -> object | None:
-    """The kernels' module where it draws these rows (CPU, float32 or bfloat16 logits, every
-    request's sampling plain), else None."""
-    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2:
-        return None
-    if not all(plain_sampling(p, logits.shape[1]) for p in params):
-        return None
-    from quickdraft.models.kernels import rowwise
-
-    return rowwise()
 
 
 def temperatures(seqs) -> torch.Tensor:

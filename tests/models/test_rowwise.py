@@ -77,19 +77,23 @@ def test_argmax_finite_is_argmax_rows_and_isfinite(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sample_rows_draws_from_the_softmax_it_returns(dtype):
-    """kernels.sample_rows (the draft's sampler, proposers/draft_sampling.py): q is softmax(x / t)
-    to float32's rounding; a greedy row is one-hot at its argmax; the token is the first whose
-    float64 cumulative mass passes u x total (checked against numpy's cumulative sum, away from
-    ties at a boundary); a row's draw is the same alone as in a batch."""
-    from quickdraft.sampling import argmax_rows
+def test_the_kernels_sampler_draws_from_the_softmax_it_returns(dtype):
+    """kernels.softmax_rows and sample_probs (sampling.logits_to_probs and sample_from_probs on the
+    CPU where no row filters; the draft's native chains draw alike): q is softmax(x / t) to
+    float32's rounding; a greedy row is one-hot at its argmax; the token is the first whose float64
+    cumulative mass passes u x total (checked against numpy's cumulative sum, away from a
+    boundary); a row's draw is the same alone as in a batch."""
+    from quickdraft.sampling import argmax_rows, logits_to_probs, sample_from_probs
 
     kernels = rowwise()
     torch.manual_seed(1)
     x = (torch.randn(6, 151936 % 1000 + 4003) * 3).to(dtype)  # a tail past a multiple of 16 and of 256
     t = torch.tensor([1.0, 0.7, 0.0, 2.5, 0.05, 1.3], dtype=torch.float32)
     u = torch.tensor([0.0, 0.3, 0.5, 0.999999, 0.61, 0.9999999999], dtype=torch.float64)
-    rows, q = kernels.sample_rows(x, t, u)
+    q = kernels.softmax_rows(x, t)
+    rows = kernels.sample_probs(q, u)
+    off = torch.zeros(6, dtype=torch.long), torch.ones(6)
+    assert torch.equal(logits_to_probs(x, t, *off, torch.zeros(6)), q) and torch.equal(sample_from_probs(q, u), rows)
     want = torch.softmax(x.float() / t.clamp(min=1e-30).unsqueeze(1), -1)
     for r in (0, 1, 3, 4, 5):
         assert torch.allclose(q[r], want[r], rtol=2e-5, atol=1e-30)
@@ -101,18 +105,42 @@ def test_sample_rows_draws_from_the_softmax_it_returns(dtype):
         assert q[r, rows[r]] > 0
     assert rows[2].item() == argmax_rows(x[2:3].float()).item() and q[2].sum() == 1 and q[2, rows[2]] == 1
     for r in range(6):  # alone as in the batch
-        alone = kernels.sample_rows(x[r : r + 1].contiguous(), t[r : r + 1], u[r : r + 1])
-        assert torch.equal(alone[0], rows[r : r + 1]) and torch.equal(alone[1], q[r : r + 1])
+        alone = kernels.softmax_rows(x[r : r + 1].contiguous(), t[r : r + 1])
+        assert torch.equal(alone, q[r : r + 1]) and torch.equal(kernels.sample_probs(alone, u[r : r + 1]), rows[r : r + 1])
 
 
-def test_sample_rows_frequencies_follow_q():
-    """Many draws with uniform u from one row: each token's share is its q (total variation)."""
+def test_the_kernels_draws_follow_q():
+    """Many draws with uniform u from one row: each token's share is its q (total variation); a
+    token of no mass is never drawn, u -> 1 included."""
     kernels = rowwise()
     x = torch.randn(1, 40) * 2
     n = 20000
     u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    rows, q = kernels.sample_rows(x.expand(n, 40).contiguous(), torch.full((n,), 0.9), u)
+    q = kernels.softmax_rows(x, torch.tensor([0.9]))
+    rows = kernels.sample_probs(q.expand(n, 40).contiguous(), u)
     counts = torch.bincount(rows, minlength=40).double() / n
     assert 0.5 * (counts - q[0].double()).abs().sum() < 0.02
+    holes = q.clone()
+    holes[0, ::3] = 0.0
+    holes[0, -1] = 0.0
+    edge = torch.tensor([0.0, 1 - 2**-53, 0.5] * 100, dtype=torch.float64)
+    drawn = kernels.sample_probs(holes.expand(300, 40).contiguous(), edge)
+    assert (holes[0, drawn] > 0).all()
     with pytest.raises(RuntimeError, match="temperature"):
-        kernels.sample_rows(x, torch.tensor([-1.0]), u[:1])
+        kernels.softmax_rows(x, torch.tensor([-1.0]))
+
+
+def test_the_kernels_softmax_keeps_masked_logits_at_zero():
+    """A logit of -inf (a grammar's mask, a ban) has probability exactly 0, so it is never drawn;
+    a row whose maximum is +inf or NaN is NaN throughout, as torch's softmax gives it."""
+    kernels = rowwise()
+    x = torch.randn(3, 1000)
+    x[0, ::7] = float("-inf")
+    x[1, 5] = float("inf")
+    x[2, 9] = float("nan")
+    q = kernels.softmax_rows(x, torch.tensor([0.8, 0.8, 0.8]))
+    assert (q[0, ::7] == 0).all() and (q[0] > 0).sum() == 1000 - len(range(0, 1000, 7))
+    assert torch.allclose(q[0], torch.softmax(x[0] / 0.8, -1), rtol=2e-5, atol=1e-30)
+    assert q[1:].isnan().all()
+    drawn = kernels.sample_probs(q[:1].expand(500, 1000).contiguous(), torch.linspace(0, 1 - 2**-53, 500, dtype=torch.float64))
+    assert (drawn % 7 != 0).all()

@@ -329,11 +329,13 @@ void test_rowwise(const Kernels& k, const Kernels& ref) {
         check(exact, isa + (half ? " bf16" : " f32") + " argmax_row: the lowest index, the first NaN, finiteness");
       }
     }
-    {  // sample_one: q = softmax(x / t) and the draw, the portable bits on every ISA; q close to exact and
-       // summing to 1; the token the first whose cumulative mass passes u x total (away from a boundary)
+    {  // sample_one: q = softmax(x / t) and the draw, the portable bits on every ISA; q close to exact (0 at a
+       // -inf logit) and summing to 1; the token the first whose cumulative mass passes u x total (away
+       // from a boundary)
       const int64_t n = 5, h = 16 * 40 + 7;
       std::vector<float> X(n * h);
       for (auto& v : X) v = 3.0f * normal(rng);
+      for (int64_t i = 3; i < n * h; i += 11) X[i] = -INFINITY;  // masked logits: probability exactly 0
       std::vector<uint16_t> Xh(X.size());
       for (size_t i = 0; i < X.size(); ++i) Xh[i] = torch_bf16(X[i]);
       for (int half : {0, 1}) {
@@ -350,7 +352,7 @@ void test_rowwise(const Kernels& k, const Kernels& ref) {
           for (int64_t i = 0; i < h; ++i) sum += std::exp(static_cast<double>(half ? widen(Xh[r * h + i]) : X[r * h + i]) / 0.7 - m);
           for (int64_t i = 0; i < h; ++i) {
             const double want = std::exp(static_cast<double>(half ? widen(Xh[r * h + i]) : X[r * h + i]) / 0.7 - m) / sum;
-            close = close && std::abs(q[r * h + i] - want) <= 1e-5 * want + 1e-37;
+            close = close && (want == 0.0 ? q[r * h + i] == 0.0f : std::abs(q[r * h + i] - want) <= 1e-5 * want + 1e-37);
             mass += q[r * h + i];
           }
           close = close && std::abs(mass - 1.0) < 1e-5;

@@ -58,7 +58,8 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
 void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
 std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x);
-std::tuple<torch::Tensor, torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms);
+torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature);
+torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms);
 
 // layer.cpp
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,

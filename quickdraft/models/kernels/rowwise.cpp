@@ -153,31 +153,49 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x) {
   return {index, finite};
 }
 
-// A draft's tokens drawn from logits [M, N] (float32 or bfloat16) at each row's temperature [M]
-// (float32; 0: greedy, the argmax) with uniforms [M] (float64, in [0, 1)): no top-k, top-p or
-// min-p (proposers/draft_sampling.py keeps torch's path for those). -> (rows [M] int64, q [M, N]
-// float32: rowwise.h's softmax_row, the distribution each row was drawn from; a greedy row's is
-// one-hot at its argmax, as sampling.logits_to_probs gives it). Rows over the threads.
-std::tuple<torch::Tensor, torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms) {
+// q [M, N] float32 = softmax(logits / t) row by row at each row's temperature [M] (float32; 0: a
+// greedy row, one-hot at its argmax; rowwise.h's softmax_row, as the draft's native chains compute
+// it): sampling.logits_to_probs on the CPU for rows with no top-k, top-p or min-p.
+torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "logits [M, N] contiguous, N > 0");
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16, "float32 or bfloat16 logits");
   const int64_t M = logits.size(0), N = logits.size(1);
   TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.dim() == 1 && temperature.size(0) == M, "temperature [M] float32");
-  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.dim() == 1 && uniforms.size(0) == M, "uniforms [M] float64");
-  const torch::Tensor t = temperature.contiguous(), u = uniforms.contiguous();
+  const torch::Tensor t = temperature.contiguous();
   const float* tp = t.data_ptr<float>();
-  const double* up = u.data_ptr<double>();
   for (int64_t r = 0; r < M; ++r) TORCH_CHECK(tp[r] >= 0.0f && std::isfinite(tp[r]), "temperature ", tp[r], " of row ", r);
-  auto rows = torch::empty({M}, logits.options().dtype(torch::kInt64));
   auto q = torch::empty({M, N}, logits.options().dtype(torch::kFloat32));
-  int64_t* out = rows.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
   const bool f32 = logits.scalar_type() == torch::kFloat32;
   const void* base = logits.data_ptr();
 #pragma omp parallel for schedule(static) if (M > 1)
   for (int64_t r = 0; r < M; ++r) {
-    const auto draw = [&](const auto* x) { out[r] = qd::sample_one(x + r * N, N, tp[r], up[r], qp + r * N); };
-    f32 ? draw(static_cast<const float*>(base)) : draw(static_cast<const uint16_t*>(base));
+    const auto shape = [&](const auto* x) {
+      if (tp[r] == 0.0f) {
+        std::memset(qp + r * N, 0, sizeof(float) * N);
+        qp[r * N + qd::argmax_row(x + r * N, N)] = 1.0f;
+      } else {
+        qd::softmax_row(x + r * N, N, tp[r], qp + r * N);
+      }
+    };
+    f32 ? shape(static_cast<const float*>(base)) : shape(static_cast<const uint16_t*>(base));
   }
-  return {rows, q};
+  return q;
+}
+
+// rows [M] int64 drawn from probs [M, N] float32 (>= 0, each row some mass, not necessarily
+// normalized) with uniforms [M] float64: rowwise.h's sample_row, sampling.sample_from_probs's rule
+// with the cumulative mass summed by blocks.
+torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.size(1) > 0, "probs [M, N] float32, N > 0");
+  const int64_t M = probs.size(0), N = probs.size(1);
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.dim() == 1 && uniforms.size(0) == M, "uniforms [M] float64");
+  const torch::Tensor p = probs.contiguous(), u = uniforms.contiguous();
+  auto rows = torch::empty({M}, torch::kInt64);
+  int64_t* out = rows.data_ptr<int64_t>();
+  const float* pp = p.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+#pragma omp parallel for schedule(static) if (M > 1)
+  for (int64_t r = 0; r < M; ++r) out[r] = qd::sample_row(pp + r * N, N, up[r]);
+  return rows;
 }

@@ -230,28 +230,39 @@ int64_t argmax_row(const T* x, int64_t n, bool* finite = nullptr) {
   return best;
 }
 
-// A draft's sampling distribution at temperature t > 0 with no top-k, top-p or min-p:
-// q [n] = softmax(x / t) of a row of logits [n], each x / t divided in float32 as torch divides,
+// A sampling distribution at temperature t > 0 with no top-k, top-p or min-p: q [n] =
+// softmax(x / t) of a row of logits [n], each x / t divided in float32 as torch divides,
 // e^(x / t - max) from simd.h's exp_neg (the same bits on every ISA; below e^-87 it gives e^-87,
-// where torch's would give less or 0) summed in simd.h's order, each divided by the sum. Written
-// by hand for proposers/draft_sampling.py and the draft's native chains (forward.cpp), which must
-// draw from the same q: torch's softmax took ~0.35 ms a 151,936-logit row, its double cumulative
-// sum for the draw as long again (AMD EPYC Zen 1), against a draft pass of ~14 ms.
+// where torch's gives less or 0) summed in simd.h's order, each divided by the sum. A logit of
+// -inf (a grammar's mask, a ban) gets exactly 0, as in torch's softmax; a row whose maximum is
+// +inf or NaN is all NaN, as torch's is. Written by hand because torch's softmax and its double
+// cumulative sum for the draw took ~1.9 ms a 151,936-logit row (AMD EPYC Zen 1), against a draft
+// pass of ~14 ms: sampling.logits_to_probs on the CPU, and the draft's native chains.
 template <typename T>
 void softmax_row(const T* x, int64_t n, float t, float* q) {
-  const simd::F16 tv = simd::set1_f(t);
-  simd::F16 top = simd::set1_f(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) top = simd::max(top, simd::div(load16(x, i, n, -INFINITY), tv));
-  const simd::F16 minus = simd::set1_f(-simd::reduce_max(top));
+  const simd::F16 tv = simd::set1_f(t), zero = simd::zero_f();
+  simd::F16 top = simd::set1_f(-INFINITY), nonfinite = simd::zero_f();
+  for (int64_t i = 0; i < n; i += 16) {
+    top = simd::max(top, simd::div(load16(x, i, n, -INFINITY), tv));
+    nonfinite = simd::add(nonfinite, simd::mul(zero, load16(x, i, n, 0.0f)));  // NaN where any is inf or NaN
+  }
+  const float m = simd::reduce_max(top);
+  if (!std::isfinite(m)) {
+    for (int64_t i = 0; i < n; ++i) q[i] = NAN;
+    return;
+  }
+  const bool masked = std::isnan(simd::reduce_add(nonfinite));  // some logit is -inf (the maximum is finite)
+  const simd::F16 minus = simd::set1_f(-m);
   simd::F16 sum = simd::zero_f();
   for (int64_t i = 0; i < n; i += 16) {
     const int live = n - i < 16 ? static_cast<int>(n - i) : 16;
     simd::F16 e = simd::exp_neg(simd::add(simd::div(load16(x, i, n, 0.0f), tv), minus));
-    if (live < 16) {  // the tail's padding adds nothing
-      alignas(64) float tail[16];
-      simd::store_f(tail, e);
-      for (int j = live; j < 16; ++j) tail[j] = 0.0f;
-      e = simd::load_f(tail);
+    if (live < 16 || masked) {  // the tail's padding and the -inf logits add nothing
+      alignas(64) float lanes[16];
+      simd::store_f(lanes, e);
+      for (int j = 0; j < 16; ++j)
+        if (j >= live || to_float(x[i + j]) == -INFINITY) lanes[j] = 0.0f;
+      e = simd::load_f(lanes);
     }
     sum = simd::add(sum, e);
     store_n(q + i, e, live);
