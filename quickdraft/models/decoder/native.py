@@ -104,7 +104,8 @@ class NativeLayers:
         head's softmax) is below ``threshold`` (<= 0: never); its last token is not read. Greedy
         (the head's argmax), or with ``temperatures`` [batch] (0: greedy) and ``uniforms`` [batch,
         max K] float64, sequence i's j-th token drawn at temperatures[i] with uniforms[i, j]
-        (draft_sampling.draw's kernel: no top-k, top-p or min-p). What DraftModelProposer's Python
+        (the kernels' softmax and draw, as sampling.logits_to_probs and sample_from_probs take them
+        on the CPU: no top-k, top-p or min-p). What DraftModelProposer's Python
         loop does, with the same bits. -> (each sequence's draft tokens, each pass's seconds, and
         where sampled q [batch, max K, head rows] float32: the distribution each token was drawn
         from, row j of sequence i for its j-th token; else None)."""
