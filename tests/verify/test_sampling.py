@@ -22,6 +22,22 @@ def test_k_zero_is_plain_sampling_with_the_one_uniform():
     assert out.num_accepted == [0, 0, 0]
 
 
+def test_k_zero_batches_draw_as_the_general_path():
+    """No sequence drafting (verify's plain-sampling path): greedy, temperature, top-p and top-k rows
+    give the tokens the general path gives the same rows beside a sequence that drafts."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=gen) * 2
+    params = [SAMPLED, SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_p=0.8),
+              SamplingParams(temperature=1.3, top_k=5)]
+    for trial in range(20):
+        uniforms = torch.rand(4, generator=gen, dtype=torch.float64)
+        out = verify(torch.zeros(0, dtype=torch.int64), [0] * 4, logits, None, BatchSampling.from_params(params), uniforms)
+        general = verify(torch.tensor([7]), [0, 0, 0, 0, 1], torch.cat([logits, torch.randn(2, 50, generator=gen)]), None,
+                         BatchSampling.from_params(params + [SAMPLED]),
+                         torch.cat([uniforms, torch.tensor([0.5, 0.5], dtype=torch.float64)]))
+        assert out.token_ids == general.token_ids[:4] and out.num_accepted == [0] * 4, trial
+
+
 def test_acceptance_is_strict_u_below_p_over_q():
     """p(x) = 0 is rejected even at u = 0; p(x) >= q(x) is accepted even at u = 1 - eps."""
     logits = torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]])
