@@ -45,7 +45,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
-from quickdraft.proposers.draft_sampling import confident_rows, draw, plain_sampling, temperatures, to_vocab
+from quickdraft.proposers.draft_sampling import confident_rows, draw, plain_sampling, to_vocab
 from quickdraft.sampling import draw_uniforms
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
                                               top_children, tree_requests)
@@ -168,7 +168,7 @@ class DraftModelProposer:
             for a, (g, k) in enumerate(zip(generators, ks)):
                 for j in range(k):
                     uniforms[a, j] = draw_uniforms(g, 1)[0]
-            temps = temperatures([seqs[i] for i in active]).tolist()
+            temps = [float(seqs[i].params.temperature) for i in active]
         drafted, seconds, q = self.model.native.chains(self.kv, slots, cached, feeds, ks, self.threshold, temps, uniforms)
         if states is not None:  # the uniforms of passes a cut chain did not run go back
             for a, (g, state) in enumerate(zip(generators, states)):

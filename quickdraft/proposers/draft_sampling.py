@@ -29,11 +29,6 @@ def plain_sampling(params, rows: int) -> bool:
     return params.greedy or (not 0 < params.top_k < rows and params.top_p >= 1 and params.min_p <= 0)
 
 
-def temperatures(seqs) -> torch.Tensor:
-    """[n] float32: each sequence's temperature (0: greedy), as BatchSampling holds it."""
-    return torch.tensor([float(s.params.temperature) for s in seqs], dtype=torch.float32)
-
-
 def confident_rows(logits: torch.Tensor, tokens: torch.Tensor, threshold: float) -> list[bool]:
     """[n] whether the draft's probability of its own token (at temperature 1) clears the
     threshold; the cutoff only shortens the draft, so any rule here keeps the output exact."""
