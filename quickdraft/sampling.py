@@ -289,7 +289,7 @@ def sample_from_probs(probs: Tensor, uniforms: Tensor) -> Tensor:
     mass summed by blocks of 256 (kernels/rowwise.h's sample_row: one block walked, not the row).
     """
     kernels = _kernels(probs) if probs.dtype == torch.float32 else None
-    if kernels is not None:  # the same rule, the cumulative mass by blocks (kernels/rowwise.h's sample_row)
+    if kernels is not None:
         return kernels.sample_probs(probs, uniforms.to(torch.float64).cpu())
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
     total = cdf[:, -1:]  # [N, 1]
