@@ -151,13 +151,18 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     token and renormalize. Rows with temperature 0 are greedy: a one-hot at the argmax (lowest
     id on ties). V can be 151936 and this runs for every token: without filtering rows there is no
     sort at all, with them a partial one (torch.topk), a full sort only where that is too narrow.
-    On the CPU, where no row filters, the kernels' softmax does it (kernels/rowwise.h: its own
-    exponent, the same bits on every ISA; with sample_from_probs's draw 0.45 ms a 151,936-logit
-    row against torch's 1.9 on an AMD EPYC Zen 1): the draft's native chains take the same one.
+
+    On the CPU the kernels do it all (kernels/rowwise.h's shaped_row: their own exponent, the same
+    bits on every ISA), and the draft's native chains take the same one. There the filters read
+    the temperature's probabilities rather than the logits, so two logits that round to the same
+    probability tie; and no row is sorted: with sample_from_probs's draw, a 151,936-logit row
+    took 0.45 ms against torch's 1.9 at a temperature alone (AMD EPYC Zen 1), and with top-p 0.9
+    ... against ... (Intel Xeon).
     """
     kernels = _kernels(logits)
-    if kernels is not None and bool(_plain(temperature, top_k, top_p, min_p, logits.shape[-1]).all()):
-        return kernels.softmax_rows(logits.contiguous(), temperature.float().contiguous())
+    if kernels is not None:
+        return kernels.softmax_rows(logits.contiguous(), temperature.float().contiguous(), top_k.long().contiguous(),
+                                    top_p.float().contiguous(), None if min_p is None else min_p.float().contiguous())
     logits = logits.float()  # [N, V]
     greedy = temperature == 0  # [N]
     if bool(greedy.all()):
@@ -187,14 +192,6 @@ def _kernels(x: Tensor):
     from quickdraft.models.kernels import rowwise
 
     return rowwise()
-
-
-def _plain(temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None, vocab: int) -> Tensor:
-    """[N] bool: rows that are greedy or sample at their temperature alone (no top-k, top-p or min-p)."""
-    off = ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)
-    if min_p is not None:
-        off &= min_p <= 0
-    return (temperature == 0) | off
 
 
 def _one_hot_argmax(logits: Tensor) -> Tensor:

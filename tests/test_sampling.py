@@ -17,6 +17,17 @@ from quickdraft.sampling import (
 )
 
 
+@pytest.fixture(params=["kernels", "torch"], autouse=True)
+def path(request, monkeypatch):
+    """Every test on both of logits_to_probs' (and sample_from_probs') paths: the CPU kernels'
+    where they build, and torch's (CUDA's, and a CPU without the kernels)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampling, "_kernels", lambda x: None)
+    elif sampling._kernels(torch.zeros(1, 1)) is None:
+        pytest.skip("the CPU kernels are not available here")
+    return request.param
+
+
 def shape(logits, temperature=1.0, top_k=0, top_p=1.0):
     """logits_to_probs with the same params on every row of ``logits`` [N, V]."""
     n = logits.shape[0]
@@ -95,8 +106,9 @@ def test_top_k_top_p_match_the_definition_on_tied_logits():
 
 
 def test_partial_sort_equals_full_sort(monkeypatch):
-    """Rows are first cut among the top 1024 candidates; ones that need more (a flat nucleus, a
-    large top_k) fall back to a full sort. Both give exactly the full-sort result."""
+    """Rows are first cut among the top 1024 candidates (torch's path; the kernels' among the
+    tokens near the top one); ones that need more (a flat nucleus, a large top_k) fall back to a
+    full sort (the kernels': to all tokens). Both give exactly the full-sort result."""
     gen = torch.Generator().manual_seed(7)
     vocab = 5000
     logits = torch.randn(6, vocab, generator=gen) * torch.tensor([[4.0], [4.0], [0.1], [4.0], [0.1], [1.0]])
@@ -107,6 +119,28 @@ def test_partial_sort_equals_full_sort(monkeypatch):
     monkeypatch.setattr(sampling, "_CANDIDATES", vocab)
     assert torch.equal(fast, logits_to_probs(logits, temperature, top_k, top_p))
     assert int((fast[2] > 0).sum()) > 1024 and int((fast[3] > 0).sum()) == 2000
+
+
+def test_flat_rows_and_large_top_k_match_the_definition():
+    """Nuclei of thousands of tokens and a top_k of thousands (the kernels widen their candidates
+    round by round, up to every token): the kept set is the definition's."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(8, 3000, generator=gen) * torch.tensor([[0.05], [0.3], [1.0], [3.0]]).repeat(2, 1)
+    top_k = torch.tensor([0, 0, 0, 0, 2500, 1200, 0, 900])
+    top_p = torch.tensor([0.5, 0.9, 0.97, 0.999, 1.0, 0.95, 0.3, 0.8])
+    probs = logits_to_probs(logits, torch.ones(8), top_k, top_p)
+    for i in range(8):
+        assert (probs[i] > 0).tolist() == brute_force_keep(logits[i].tolist(), int(top_k[i]), float(top_p[i])), i
+    assert int((probs[0] > 0).sum()) > 1000 and int((probs[4] > 0).sum()) == 2500
+
+
+def test_the_cut_reads_logits_whose_probabilities_underflow():
+    """Tokens far below the top one (e^-87 and less) still keep their order: top-k cuts on the
+    scaled logits, not on probabilities that round alike (the kernels' exponent stops at e^-87)."""
+    logits = torch.tensor([[0.0, -200.0, -10.0, -300.0, -400.0, -500.0, -20.0, -600.0]])
+    kept = [[True, False, True, False, False, False, True, False]]
+    assert (shape(logits, top_k=3) > 0).tolist() == kept
+    assert (shape(logits / 10, temperature=0.1, top_k=3) > 0).tolist() == kept
 
 
 def test_top_p_keeps_smallest_prefix_reaching_the_mass():

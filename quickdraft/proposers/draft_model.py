@@ -11,9 +11,10 @@ proposal, with no copy and no recomputation of what it already holds. A finished
 keys stay in its slot with ``_cached[slot]`` for the prefix cache (engine/prefix_cache.py): a new
 prompt that shares a prefix with them keeps them (``reuse``), in place or copied like the target's.
 
-Greedy chains without a grammar run every draft pass in one native call where the kernels run
-the draft (``_native_chains``, models/decoder/native.py's ``chains``): the same tokens and cache
-bits as the Python loop, with no Python between the passes.
+Chains without a grammar, greedy or sampled (at any temperature, top-k, top-p and min-p), run
+every draft pass in one native call where the kernels run the draft (``_native_chains``,
+models/decoder/native.py's ``chains``): the same tokens, q and cache bits as the Python loop,
+with no Python between the passes.
 
 Three options trade nothing but speed: ``draft_confidence_threshold`` ends a sequence's draft
 early once the draft's own probability of its token drops below it, ``quantization`` runs the
@@ -45,7 +46,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
-from quickdraft.proposers.draft_sampling import confident_rows, draw, plain_sampling, to_vocab
+from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
 from quickdraft.sampling import draw_uniforms
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
                                               top_children, tree_requests)
@@ -101,9 +102,7 @@ class DraftModelProposer:
         # a grammar walks along the draft's own tokens, so that each is drawn under its mask; it
         # steps back before verification (structured.py, "draft masks")
         grammars = {i: seqs[i].grammar for i in active if seqs[i].grammar is not None}
-        rows = self.vocab_size if self.head_ids is None else self.head_ids.shape[0]  # the head's
         if (self.native_chains and self.model.native.one_call and active and not grammars
-                and all(plain_sampling(seqs[i].params, rows) for i in active)
                 and max(len(feed[i]) for i in active) <= MAX_ROW_BY_ROW):
             return self._native_chains(seqs, num_tokens, active, feed, sampled)
         walked = dict.fromkeys(grammars, 0)
@@ -160,7 +159,7 @@ class DraftModelProposer:
         cached = [self._cached[slot] for slot in slots]
         feeds = [feed[i] for i in active]
         ks = [num_tokens[i] for i in active]
-        temps = uniforms = states = None
+        temps = uniforms = states = filters = None
         if sampled:
             generators = [seqs[i].generator for i in active]
             states = [g.get_state() for g in generators] if self.threshold > 0 else None
@@ -169,7 +168,10 @@ class DraftModelProposer:
                 for j in range(k):
                     uniforms[a, j] = draw_uniforms(g, 1)[0]
             temps = [float(seqs[i].params.temperature) for i in active]
-        drafted, seconds, q = self.model.native.chains(self.kv, slots, cached, feeds, ks, self.threshold, temps, uniforms)
+            filters = ([int(seqs[i].params.top_k) for i in active], [float(seqs[i].params.top_p) for i in active],
+                       [float(seqs[i].params.min_p) for i in active])
+        drafted, seconds, q = self.model.native.chains(self.kv, slots, cached, feeds, ks, self.threshold, temps, uniforms,
+                                                       filters)
         if states is not None:  # the uniforms of passes a cut chain did not run go back
             for a, (g, state) in enumerate(zip(generators, states)):
                 if len(drafted[a]) < ks[a]:

@@ -14,19 +14,13 @@ def draw(seqs, logits: torch.Tensor, sampled: bool):
     """logits [n, N] over the head's rows -> rows [n], and q [n, N] when any sequence of the
     batch samples (the request's temperature, top-k and top-p shape the head's N logits). Each
     sequence draws one uniform from its generator (a greedy one too, in a sampled batch). On the
-    CPU, rows without top-k, top-p or min-p are drawn by the kernels (sampling.logits_to_probs
-    and sample_from_probs), as the draft's native chains draw them: the same tokens and q."""
+    CPU the kernels shape and draw the rows (sampling.logits_to_probs and sample_from_probs), as
+    the draft's native chains do: the same tokens and q."""
     if not sampled:
         return argmax_rows(logits), None
     batch = BatchSampling.from_params([s.params for s in seqs], logits.device)
     uniforms = torch.stack([draw_uniforms(s.generator, 1)[0] for s in seqs]).to(logits.device)
     return sample_draft(logits, batch, uniforms)
-
-
-def plain_sampling(params, rows: int) -> bool:
-    """Whether a request's draws over a head of ``rows`` rows need no top-k, top-p or min-p (what
-    the native chains draw), as sampling.logits_to_probs decides it."""
-    return params.greedy or (not 0 < params.top_k < rows and params.top_p >= 1 and params.min_p <= 0)
 
 
 def confident_rows(logits: torch.Tensor, tokens: torch.Tensor, threshold: float) -> list[bool]:

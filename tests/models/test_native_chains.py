@@ -170,11 +170,26 @@ def test_sampled_chains(dtype, tables, truncated, threshold):
         assert 1 in lengths and max(lengths) > 1
 
 
-def test_filtered_sampling_keeps_the_python_loop():
-    """top-p (and top-k, min-p) draws stay with torch's sampler in the Python loop."""
-    draft = draft_model(torch.float32, None)
-    drive(draft, True, 0.0, None, steps=2, params=(SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9), GREEDY),
-          calls_expected=False)
+FILTERED = [("top_k", SamplingParams(max_tokens=64, temperature=0.8, top_k=7)),
+            ("top_p", SamplingParams(max_tokens=64, temperature=1.3, top_p=0.6)),
+            ("min_p", SamplingParams(max_tokens=64, temperature=1.0, min_p=0.2)),
+            ("all", SamplingParams(max_tokens=64, temperature=0.9, top_k=40, top_p=0.8, min_p=0.05))]
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["full", "truncated"])
+@pytest.mark.parametrize("params", [c[1] for c in FILTERED], ids=[c[0] for c in FILTERED])
+def test_filtered_chains(params, truncated):
+    """top-k, top-p and min-p draws in the one call, beside a plain sampled sequence: the Python
+    loop's tokens and q (the kernels shape the rows in both), and q keeps only what the filters
+    let through."""
+    ids = torch.tensor(sorted(random.Random(3).sample(range(VOCAB), 72)), dtype=torch.long) if truncated else None
+    seen = assert_same_drafting(draft_model(torch.bfloat16, ("Q4_K", "Q6_K"), ids), 0.0, ids, params=(params, WARM))
+    kept = [int((row > 0).sum()) for step in seen if step[2] is not None for row in step[2][: len(step[0][0])]]
+    assert kept and max(kept) < (72 if truncated else VOCAB)  # the filtered sequence's q rows
+    if params.top_k:  # at most k tokens, or more where bfloat16 logits tie with the k-th
+        assert sorted(kept)[len(kept) // 2] <= params.top_k
+        if params.top_p == 1 and params.min_p == 0:
+            assert min(kept) >= params.top_k
 
 
 def test_an_empty_feed_is_refused_by_both_loops():

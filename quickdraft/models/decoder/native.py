@@ -97,21 +97,22 @@ class NativeLayers:
     @torch.inference_mode()  # as Decoder.forward: the caches and the workspace are inference tensors
     def chains(self, kv: KVCache, slots: list[int], cached: list[int], feeds: list[list[int]], ks: list[int],
                threshold: float, temperatures: list[float] | None = None, uniforms: torch.Tensor | None = None,
+               filters: tuple[list[int], list[float], list[float]] | None = None,
                ) -> tuple[list[list[int]], list[float], torch.Tensor | None]:
         """Draft chains in one call (after ``set_head``): sequence i reads ``feeds[i]`` at
         positions ``cached[i]``.. of slot ``slots[i]``, then drafts pass by pass, each token read
         by the next pass, until it has ``ks[i]`` tokens or its last token's probability (the
         head's softmax) is below ``threshold`` (<= 0: never); its last token is not read. Greedy
         (the head's argmax), or with ``temperatures`` [batch] (0: greedy) and ``uniforms`` [batch,
-        max K] float64, sequence i's j-th token drawn at temperatures[i] with uniforms[i, j]
-        (the kernels' softmax and draw, as sampling.logits_to_probs and sample_from_probs take them
-        on the CPU: no top-k, top-p or min-p). What DraftModelProposer's Python
+        max K] float64, sequence i's j-th token drawn at temperatures[i] with uniforms[i, j],
+        and with ``filters`` (top_k, top_p, min_p [batch]) under sequence i's (the kernels' shaping
+        and draw, as sampling.logits_to_probs and sample_from_probs take them on the CPU). What DraftModelProposer's Python
         loop does, with the same bits. -> (each sequence's draft tokens, each pass's seconds, and
         where sampled q [batch, max K, head rows] float32: the distribution each token was drawn
         from, row j of sequence i for its j-th token; else None)."""
         tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long)
         out, counts, seconds, q = self._model.chains(tokens, kv.keys, kv.values, slots, cached, [len(f) for f in feeds], ks,
-                                                     threshold, temperatures or [], uniforms)
+                                                     threshold, temperatures or [], uniforms, *(filters or ([], [], [])))
         flat, drafts, at = out.tolist(), [], 0
         for n in counts.tolist():
             drafts.append(flat[at : at + n])

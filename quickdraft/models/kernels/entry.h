@@ -58,7 +58,8 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
 void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
 std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x);
-torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature);
+torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,
+                           c10::optional<torch::Tensor> top_p, c10::optional<torch::Tensor> min_p);
 torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms);
 
 // layer.cpp

@@ -248,21 +248,23 @@ class NativeDecoder {
   // sequence's last token is not read. -> [tokens [sum of counts] int64, vocabulary ids sequence
   // by sequence; counts [batch] int64; seconds [passes] float64, each pass's own; q]
   //
-  // Sampled chains (proposers/draft_sampling.py's draw, with no top-k, top-p or min-p): with
-  // `temperatures` [batch] (0: greedy) and `uniforms` [batch, K] float64, sequence i's j-th token
-  // is rowwise.h's sample_one at temperatures[i] with uniforms[i][j], and q [batch, K, head rows]
-  // float32 holds the distribution each was drawn from (a greedy sequence's one-hot); the
-  // threshold then reads the token's probability at temperature 1 (prob_of). Without them q is
-  // empty.
+  // Sampled chains (proposers/draft_sampling.py's draw): with `temperatures` [batch] (0: greedy)
+  // and `uniforms` [batch, K] float64, sequence i's j-th token is rowwise.h's sample_one at
+  // temperatures[i] with uniforms[i][j] and, where `top_ks`, `top_ps` and `min_ps` [batch] are
+  // given, under sequence i's filters; q [batch, K, head rows] float32 holds the distribution each
+  // was drawn from (a greedy sequence's one-hot); the threshold then reads the token's
+  // probability at temperature 1 (prob_of). Without them q is empty.
   std::vector<torch::Tensor> chains(torch::Tensor tokens, std::vector<torch::Tensor> kcaches, std::vector<torch::Tensor> vcaches,
                                     std::vector<int64_t> slots, std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
                                     std::vector<int64_t> ks, double threshold, std::vector<double> temperatures,
-                                    c10::optional<torch::Tensor> uniforms) {
+                                    c10::optional<torch::Tensor> uniforms, std::vector<int64_t> top_ks,
+                                    std::vector<double> top_ps, std::vector<double> min_ps) {
     const size_t batch = slots.size();
     const bool sampled = !temperatures.empty();
     int64_t kmax = 0;
     for (const int64_t k : ks) kmax = std::max(kmax, k);
     torch::Tensor coins, qout;
+    std::vector<qd::Filters> filters;
     if (sampled) {
       TORCH_CHECK(temperatures.size() == batch, "a temperature a sequence");
       for (const double t : temperatures) TORCH_CHECK(t >= 0.0 && std::isfinite(t), "temperature ", t);
@@ -270,6 +272,15 @@ class NativeDecoder {
                       uniforms->size(0) == static_cast<int64_t>(batch) && uniforms->size(1) >= kmax,
                   "uniforms [batch, K] float64 with sampled chains");
       coins = uniforms->contiguous();
+      TORCH_CHECK((top_ks.empty() || top_ks.size() == batch) && (top_ps.empty() || top_ps.size() == batch) &&
+                      (min_ps.empty() || min_ps.size() == batch),
+                  "top_ks, top_ps and min_ps: none, or one a sequence");
+      filters.resize(batch);
+      for (size_t i = 0; i < batch; ++i) {
+        if (!top_ks.empty()) filters[i].top_k = top_ks[i];
+        if (!top_ps.empty()) filters[i].top_p = static_cast<float>(top_ps[i]);  // a float32 as BatchSampling holds it
+        if (!min_ps.empty()) filters[i].min_p = static_cast<float>(min_ps[i]);
+      }
       qout = torch::empty({static_cast<int64_t>(batch), kmax, head_rows_}, torch::kFloat32);
     }
     std::lock_guard<std::mutex> lock(mutex_);  // one pass at a time, and set_head not in between
@@ -345,7 +356,8 @@ class NativeDecoder {
           }
           const int64_t j = static_cast<int64_t>(drafts[i].size());
           float* qrow = qout.data_ptr<float>() + (static_cast<int64_t>(i) * kmax + j) * head_rows_;
-          row = qd::sample_one(x, head_rows_, static_cast<float>(temperatures[i]), coins.data_ptr<double>()[i * coins.size(1) + j], qrow);
+          row = qd::sample_one(x, head_rows_, static_cast<float>(temperatures[i]), coins.data_ptr<double>()[i * coins.size(1) + j], qrow,
+                                filters[i]);
           p = threshold > 0 ? prob_of(x, head_rows_, row) : 1.0f;
         };
         f32 ? pick(logits[a].data_ptr<float>()) : pick(reinterpret_cast<const uint16_t*>(logits[a].data_ptr()));

@@ -153,10 +153,12 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x) {
   return {index, finite};
 }
 
-// q [M, N] float32 = softmax(logits / t) row by row at each row's temperature [M] (float32; 0: a
-// greedy row, one-hot at its argmax; rowwise.h's softmax_row, as the draft's native chains compute
-// it): sampling.logits_to_probs on the CPU for rows with no top-k, top-p or min-p.
-torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature) {
+// q [M, N] float32: each row of logits [M, N] shaped at its temperature [M] (float32; 0: a greedy
+// row, one-hot at its argmax) and, where given, its top_k [M] int64, top_p [M] float32 and min_p
+// [M] float32 (rowwise.h's shaped_row, as the draft's native chains compute it):
+// sampling.logits_to_probs on the CPU.
+torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,
+                           c10::optional<torch::Tensor> top_p, c10::optional<torch::Tensor> min_p) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "logits [M, N] contiguous, N > 0");
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16, "float32 or bfloat16 logits");
   const int64_t M = logits.size(0), N = logits.size(1);
@@ -164,6 +166,19 @@ torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature) {
   const torch::Tensor t = temperature.contiguous();
   const float* tp = t.data_ptr<float>();
   for (int64_t r = 0; r < M; ++r) TORCH_CHECK(tp[r] >= 0.0f && std::isfinite(tp[r]), "temperature ", tp[r], " of row ", r);
+  const auto per_row = [&](const c10::optional<torch::Tensor>& v, c10::ScalarType type, const char* what) {
+    if (!v.has_value()) return torch::Tensor();
+    TORCH_CHECK(v->scalar_type() == type && v->dim() == 1 && v->size(0) == M, what, " [M] of ", type);
+    return v->contiguous();
+  };
+  const torch::Tensor ks = per_row(top_k, torch::kInt64, "top_k"), ps = per_row(top_p, torch::kFloat32, "top_p"),
+                      mins = per_row(min_p, torch::kFloat32, "min_p");
+  std::vector<qd::Filters> filters(M);
+  for (int64_t r = 0; r < M; ++r) {
+    if (ks.defined()) filters[r].top_k = ks.data_ptr<int64_t>()[r];
+    if (ps.defined()) filters[r].top_p = ps.data_ptr<float>()[r];
+    if (mins.defined()) filters[r].min_p = mins.data_ptr<float>()[r];
+  }
   auto q = torch::empty({M, N}, logits.options().dtype(torch::kFloat32));
   float* qp = q.data_ptr<float>();
   const bool f32 = logits.scalar_type() == torch::kFloat32;
@@ -175,7 +190,7 @@ torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature) {
         std::memset(qp + r * N, 0, sizeof(float) * N);
         qp[r * N + qd::argmax_row(x + r * N, N)] = 1.0f;
       } else {
-        qd::softmax_row(x + r * N, N, tp[r], qp + r * N);
+        qd::shaped_row(x + r * N, N, tp[r], filters[r], qp + r * N);
       }
     };
     f32 ? shape(static_cast<const float*>(base)) : shape(static_cast<const uint16_t*>(base));

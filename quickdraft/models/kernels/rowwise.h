@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 #include <algorithm>
+#include <functional>
 
 #include "simd.h"
 
@@ -320,17 +321,132 @@ inline int64_t sample_row(const float* q, int64_t n, double u) {
   return last;
 }
 
-// One row's draw: at temperature t > 0 softmax_row into q [n] and sample_row with u; at t = 0 the
+// The filters a request's sampling applies after its temperature (sampling.SamplingParams):
+// top_k <= 0 or >= n, top_p >= 1 and min_p <= 0 are off.
+struct Filters {
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  float min_p = 0.0f;
+  bool top_k_on(int64_t n) const { return top_k > 0 && top_k < n; }
+  bool top_p_on() const { return top_p < 1.0; }
+  bool any(int64_t n) const { return top_k_on(n) || top_p_on() || min_p > 0.0f; }
+};
+
+// The sum of q [n] in simd.h's order (16 lane chains, then the lanes' tree): the same bits on every ISA.
+inline float sum_row(const float* q, int64_t n) {
+  simd::F16 sum = simd::zero_f();
+  for (int64_t i = 0; i < n; i += 16) sum = simd::add(sum, load_n(q + i, n - i < 16 ? static_cast<int>(n - i) : 16));
+  return simd::reduce_add(sum);
+}
+
+// The largest of v [n] (no NaN).
+inline float max_row(const float* v, int64_t n) {
+  simd::F16 top = simd::set1_f(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) top = simd::max(top, load16(v, i, n, -INFINITY));
+  return simd::reduce_max(top);
+}
+
+// q [n] with every value whose key is below `floor` set to 0 and the rest divided by their sum
+// (sum_row's). key: the values' keys [n] (q itself for min-p, the scaled logits for top-k and top-p).
+inline void keep_from(float* q, const float* key, int64_t n, float floor) {
+  for (int64_t i = 0; i < n; ++i) q[i] = key[i] >= floor ? q[i] : 0.0f;
+  const simd::F16 total = simd::set1_f(sum_row(q, n));
+  for (int64_t i = 0; i < n; i += 16) {
+    const int live = n - i < 16 ? static_cast<int>(n - i) : 16;
+    store_n(q + i, simd::div(load_n(q + i, live), total), live);
+  }
+}
+
+// The smallest scaled logit that top-k and top-p keep, from s [n] (x / t) and their
+// probabilities q [n] (softmax_row's, no NaN, summing to `total`): the k-th highest s, and the s of
+// the nucleus's last token, the nucleus being the shortest run of tokens by descending s, among
+// those top-k kept, whose mass (float64, over the kept mass) is >= top_p, so the top token always
+// stays. Every token whose s equals the cut-off is kept, so the kept set depends on the values
+// alone, never on how a sort orders equal ones (sampling.py's torch rule).
+//
+// No sort of the row: top-k finds the k-th value with a min-heap of k (one compare a value once
+// it is full); the nucleus is looked for among the tokens within 2^-10 of the top one's
+// probability (s >= max - 10 ln 2), then 2^-20, 2^-40, then all, until it closes inside them (a
+// peaked row: a few dozen tokens).
+inline float cutoff_of(const float* s, const float* q, int64_t n, const Filters& f, float total) {
+  std::vector<std::pair<float, float>> top;  // (s, q) of the candidates
+  const auto gather = [&](float from) {     // every token with s >= from, by descending s
+    top.clear();
+    for (int64_t i = 0; i < n; ++i)
+      if (s[i] >= from) top.emplace_back(s[i], q[i]);
+    std::sort(top.begin(), top.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  };
+  const auto last_of_nucleus = [&](double want, bool* closed) {  // the s of its last token among top
+    double before = 0.0;
+    float last = top.front().first;
+    size_t j = 0;
+    for (; j < top.size() && before < want; ++j) last = top[j].first, before += top[j].second;
+    *closed = j < top.size() || before >= want;
+    return last;
+  };
+  bool closed = false;
+  if (f.top_k_on(n)) {
+    const auto above = std::greater<float>();
+    std::vector<float> heap(s, s + f.top_k);
+    std::make_heap(heap.begin(), heap.end(), above);  // front: the least of the k highest so far
+    for (int64_t i = f.top_k; i < n; ++i) {
+      if (s[i] > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), above);
+        heap.back() = s[i];
+        std::push_heap(heap.begin(), heap.end(), above);
+      }
+    }
+    const float kth = heap.front();
+    if (!f.top_p_on()) return kth;
+    gather(kth);  // the k tokens, and any tied with the k-th
+    double kept = 0.0;
+    for (const auto& c : top) kept += c.second;
+    return std::max(kth, last_of_nucleus(f.top_p * kept, &closed));  // top holds every kept token
+  }
+  const float smax = max_row(s, n);
+  for (const float reach : {10.0f, 20.0f, 40.0f}) {
+    gather(smax - reach * 0.6931472f);
+    const float last = last_of_nucleus(f.top_p * total, &closed);
+    if (closed) return last;
+  }
+  gather(-INFINITY);
+  return last_of_nucleus(f.top_p * total, &closed);
+}
+
+// q [n] as sampling.logits_to_probs shapes a row at temperature t > 0 on the CPU: softmax_row,
+// then top-k and top-p on the scaled logits (cutoff_of) and renormalized, then min-p (what is less
+// likely than min_p times the most likely token goes) and renormalized. Without filters,
+// softmax_row's bits; a row softmax_row leaves NaN stays so.
+template <typename T>
+void shaped_row(const T* x, int64_t n, float t, const Filters& f, float* q) {
+  softmax_row(x, n, t, q);
+  if (!f.any(n)) return;
+  const float total = sum_row(q, n);
+  if (std::isnan(total)) return;
+  if (f.top_k_on(n) || f.top_p_on()) {
+    thread_local std::vector<float> scaled;
+    scaled.resize(n);
+    const simd::F16 tv = simd::set1_f(t);
+    for (int64_t i = 0; i < n; i += 16) {  // x / t as softmax_row divides it
+      const int live = n - i < 16 ? static_cast<int>(n - i) : 16;
+      store_n(scaled.data() + i, simd::div(load16(x, i, n, 0.0f), tv), live);
+    }
+    keep_from(q, scaled.data(), n, cutoff_of(scaled.data(), q, n, f, total));
+  }
+  if (f.min_p > 0.0f) keep_from(q, q, n, f.min_p * max_row(q, n));
+}
+
+// One row's draw: at temperature t > 0 shaped_row into q [n] and sample_row with u; at t = 0 the
 // argmax, q one-hot there (sampling.logits_to_probs's greedy row). -> the head row drawn
 template <typename T>
-int64_t sample_one(const T* x, int64_t n, float t, double u, float* q) {
+int64_t sample_one(const T* x, int64_t n, float t, double u, float* q, const Filters& f = {}) {
   if (t == 0.0f) {
     const int64_t best = argmax_row(x, n);
     std::memset(q, 0, sizeof(float) * n);
     q[best] = 1.0f;
     return best;
   }
-  softmax_row(x, n, t, q);
+  shaped_row(x, n, t, f, q);
   return sample_row(q, n, u);
 }
 
