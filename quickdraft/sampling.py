@@ -152,12 +152,11 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     id on ties). V can be 151936 and this runs for every token: without filtering rows there is no
     sort at all, with them a partial one (torch.topk), a full sort only where that is too narrow.
 
-    On the CPU the kernels do it all (kernels/rowwise.h's shaped_row: their own exponent, the same
-    bits on every ISA), and the draft's native chains take the same one. There the filters read
-    the temperature's probabilities rather than the logits, so two logits that round to the same
-    probability tie; and no row is sorted: with sample_from_probs's draw, a 151,936-logit row
-    took 0.45 ms against torch's 1.9 at a temperature alone (AMD EPYC Zen 1), and with top-p 0.9
-    ... against ... (Intel Xeon).
+    On the CPU the kernels do it all by the same rule (kernels/rowwise.h's shaped_row: their own
+    exponent, the same bits on every ISA), and the draft's native chains take the same one. No row
+    is sorted there: with sample_from_probs's draw, a 151,936-logit row took 0.45 ms against
+    torch's 1.9 at a temperature alone (AMD EPYC Zen 1); this function alone took 0.44 ms against
+    2.3 under top-p 0.9, and 0.41 against 15.7 under top-k 50 (real draft logits, Intel Xeon).
     """
     kernels = _kernels(logits)
     if kernels is not None:

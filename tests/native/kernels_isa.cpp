@@ -148,7 +148,8 @@ void QD_NAME(store_bf16)(const float* x, uint16_t* y, int64_t n) {
 // bfloat16 from float32), 4 silu(a) * b, over count = n * h values; 5 each row's argmax_row of a
 // [n, h] into y as int64 pairs (its index, whether the row is finite); 6 each row's sample_one of a
 // [n, h] at temperature 0.7 (row 0: 0, greedy) with u = (r + 0.5) / n: q into y [n, h] float32,
-// then the n tokens as floats
+// then the n tokens as floats; 7 as 6 at temperature 0.7 with each row's filters: row r % 4 = 0
+// top-k 20, 1 top-p 0.9, 2 min-p 0.05, 3 all three (top-k 50, top-p 0.8, min-p 0.02)
 void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, int64_t n, int64_t h) {
   auto run = [&](auto* A, auto* B, auto* Y) {
     if (op == 0) qd::rms_rows(A, B, Y, n, h, 1e-6f);
@@ -156,13 +157,20 @@ void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, i
     if (op == 2) qd::mul_values(A, B, Y, n * h);
     if (op == 4) qd::silu_mul_values(A, B, Y, n * h);
   };
-  if (op == 6) {
+  if (op == 6 || op == 7) {
     auto* q = static_cast<float*>(y);
     for (int64_t r = 0; r < n; ++r) {
-      const float t = r == 0 ? 0.0f : 0.7f;
+      const float t = r == 0 && op == 6 ? 0.0f : 0.7f;
       const double u = (r + 0.5) / static_cast<double>(n);
-      q[n * h + r] = static_cast<float>(bf16 ? qd::sample_one(static_cast<const uint16_t*>(a) + r * h, h, t, u, q + r * h)
-                                             : qd::sample_one(static_cast<const float*>(a) + r * h, h, t, u, q + r * h));
+      qd::Filters f;
+      if (op == 7) {
+        const int64_t kind = r % 4;
+        f.top_k = kind == 0 ? 20 : kind == 3 ? 50 : 0;
+        f.top_p = kind == 1 ? 0.9 : kind == 3 ? 0.8 : 1.0;
+        f.min_p = kind == 2 ? 0.05f : kind == 3 ? 0.02f : 0.0f;
+      }
+      q[n * h + r] = static_cast<float>(bf16 ? qd::sample_one(static_cast<const uint16_t*>(a) + r * h, h, t, u, q + r * h, f)
+                                             : qd::sample_one(static_cast<const float*>(a) + r * h, h, t, u, q + r * h, f));
     }
     return;
   }

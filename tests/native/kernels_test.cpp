@@ -370,6 +370,49 @@ void test_rowwise(const Kernels& k, const Kernels& ref) {
         check(static_cast<int64_t>(q[n * h]) == best && q[best] == 1.0f, what + " greedy row: the argmax, one-hot");
       }
     }
+    {  // sample_one under top-k, top-p and min-p (rowwise.h's shaped_row): the portable bits on every ISA;
+       // each row sums to 1 and keeps what its filters let through: top-k 20 exactly 20 tokens (no
+       // ties among normal floats), top-p 0.9 the shortest prefix by descending logit of mass >= 0.9,
+       // min-p nothing below 0.05 x the top; the drawn token has mass
+      const int64_t n = 8, h = 16 * 300 + 5;
+      std::vector<float> X(n * h);
+      for (auto& v : X) v = 2.0f * normal(rng);
+      std::vector<uint16_t> Xh(X.size());
+      for (size_t i = 0; i < X.size(); ++i) Xh[i] = torch_bf16(X[i]);
+      std::vector<float> q(n * h + n), qr(n * h + n);
+      k.rowwise(7, 0, X.data(), nullptr, q.data(), n, h);
+      ref.rowwise(7, 0, X.data(), nullptr, qr.data(), n, h);
+      const std::string what = isa + " f32 filtered sample_one";
+      check(std::memcmp(q.data(), qr.data(), sizeof(float) * q.size()) == 0, what + " equals portable");
+      std::vector<float> qh(n * h + n), qhr(n * h + n);
+      k.rowwise(7, 1, Xh.data(), nullptr, qh.data(), n, h);
+      ref.rowwise(7, 1, Xh.data(), nullptr, qhr.data(), n, h);
+      check(std::memcmp(qh.data(), qhr.data(), sizeof(float) * qh.size()) == 0, isa + " bf16 filtered sample_one equals portable");
+      bool sums = true, kept = true;
+      for (int64_t r = 0; r < n; ++r) {
+        const float* row = q.data() + r * h;
+        double mass = 0.0, top = 0.0;
+        int64_t nonzero = 0;
+        for (int64_t i = 0; i < h; ++i) mass += row[i], nonzero += row[i] > 0.0f, top = std::max(top, static_cast<double>(row[i]));
+        sums = sums && std::abs(mass - 1.0) < 1e-5 && row[static_cast<int64_t>(q[n * h + r])] > 0.0f;
+        if (r % 4 == 0) kept = kept && nonzero == 20;
+        if (r % 4 == 2)
+          for (int64_t i = 0; i < h; ++i) kept = kept && (row[i] == 0.0f || row[i] >= 0.05 * top * (1 - 1e-6));
+        if (r % 4 == 1) {  // the kept tokens are the highest logits, and all but the last lack 0.9 of the mass
+          std::vector<std::pair<float, int64_t>> order;
+          for (int64_t i = 0; i < h; ++i) order.emplace_back(X[r * h + i], i);
+          std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+          double m = -INFINITY, sum = 0.0, before = 0.0;
+          for (int64_t i = 0; i < h; ++i) m = std::max(m, X[r * h + i] / 0.7);
+          for (int64_t i = 0; i < h; ++i) sum += std::exp(X[r * h + i] / 0.7 - m);
+          int64_t want = 0;
+          while (before < 0.9 - 1e-6) before += std::exp(order[want++].first / 0.7 - m) / sum;
+          for (int64_t j = 0; j < h; ++j) kept = kept && ((row[order[j].second] > 0.0f) == (j < want));
+        }
+      }
+      check(sums, what + ": each row sums to 1 and draws a kept token");
+      check(kept, what + ": top-k, top-p and min-p keep what they should");
+    }
     std::vector<float> back(count);
     std::vector<uint16_t> narrow(count);
     if (bf16) {
