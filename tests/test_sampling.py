@@ -141,6 +141,10 @@ def test_the_cut_reads_logits_whose_probabilities_underflow():
     kept = [[True, False, True, False, False, False, True, False]]
     assert (shape(logits, top_k=3) > 0).tolist() == kept
     assert (shape(logits / 10, temperature=0.1, top_k=3) > 0).tolist() == kept
+    # the 3rd token's probability rounds as the ones below it do (to e^-87 in the kernels, to 0 in
+    # torch): they are cut all the same
+    probs = shape(torch.tensor([[0.0, -10.0, -200.0, -300.0, -400.0, -500.0]]), top_k=3)
+    assert probs[0, 3:].tolist() == [0.0, 0.0, 0.0] and probs[0, :2].sum() > 0.99
 
 
 def test_top_p_keeps_smallest_prefix_reaching_the_mass():
