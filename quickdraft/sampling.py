@@ -158,7 +158,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     torch's 1.9 at a temperature alone (AMD EPYC Zen 1); this function alone took 0.44 ms against
     2.3 under top-p 0.9, and 0.41 against 15.7 under top-k 50 (real draft logits, Intel Xeon).
     """
-    kernels = _kernels(logits)
+    kernels = row_kernels(logits)
     if kernels is not None:
         return kernels.softmax_rows(logits.contiguous(), temperature.float().contiguous(), top_k.long().contiguous(),
                                     top_p.float().contiguous(), None if min_p is None else min_p.float().contiguous())
@@ -184,7 +184,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     return probs
 
 
-def _kernels(x: Tensor):
+def row_kernels(x: Tensor):
     """The CPU kernels' module where it takes ``x`` (a [N, V] float32 or bfloat16 CPU tensor), else None."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] == 0:
         return None
@@ -212,7 +212,7 @@ def argmax_finite(x: Tensor) -> tuple[Tensor, Tensor | None]:
     """(argmax_rows(x) [N], and [N] bool whether each row of ``x`` [N, V] is finite, or None). On
     the CPU the kernels take both from one read of the rows (kernels/rowwise.cpp); elsewhere only
     the argmax is taken, and the caller checks the rows as it would have."""
-    kernels = _kernels(x)
+    kernels = row_kernels(x)
     if kernels is not None:
         return kernels.argmax_finite(x.contiguous())
     return argmax_rows(x), None
@@ -284,7 +284,7 @@ def sample_from_probs(probs: Tensor, uniforms: Tensor) -> Tensor:
     On the CPU, for float32 probs, the kernels draw by the same rule with the float64 cumulative
     mass summed by blocks of 256 (kernels/rowwise.h's sample_row: one block walked, not the row).
     """
-    kernels = _kernels(probs) if probs.dtype == torch.float32 else None
+    kernels = row_kernels(probs) if probs.dtype == torch.float32 else None
     if kernels is not None:
         return kernels.sample_probs(probs, uniforms.to(torch.float64).cpu())
     cdf = probs.double().cumsum(dim=-1)  # [N, V]

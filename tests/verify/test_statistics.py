@@ -17,6 +17,7 @@ hands on q over the whole vocabulary with zeros outside the subset.
 import pytest
 import torch
 
+from quickdraft import sampling
 from quickdraft.proposers.draft_sampling import sample_draft, to_vocab
 from quickdraft.sampling import BatchSampling, SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
 from quickdraft.structured import apply_masks
@@ -179,6 +180,9 @@ WRONG_RULES = {
 def test_wrong_rules_are_detected(monkeypatch, name):
     helper, wrong, case = WRONG_RULES[name]
     params, point_mass = CASES[case]
+    # the wrong rule goes into torch's path (the CPU kernels' rule is held to it token for token:
+    # tests/verify/test_sampling.py's test_the_kernels_rule_emits_the_torch_paths_tokens)
+    monkeypatch.setattr(sampling, "row_kernels", lambda x: None)
     monkeypatch.setattr(rejection, helper, wrong)
     tokens = first_two_tokens(params, point_mass, seed=20, n=N // 4)
     p_first, p_joint = pvalues(tokens, params)

@@ -61,6 +61,10 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x);
 torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,
                            c10::optional<torch::Tensor> top_p, c10::optional<torch::Tensor> min_p);
 torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms);
+std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10::optional<torch::Tensor> q,
+                                                       torch::Tensor drafts, std::vector<int64_t> num_draft,
+                                                       torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                                                       torch::Tensor min_p, torch::Tensor uniforms);
 
 // layer.cpp
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,

@@ -214,3 +214,99 @@ torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms) {
   for (int64_t r = 0; r < M; ++r) out[r] = qd::sample_row(pp + r * N, N, up[r]);
   return rows;
 }
+
+// Speculative sampling's rule for a batch of draft chains (verify/rejection.py: what _sampled_step
+// and _greedy_step give, token for token), a sequence at a time, each target row shaped only
+// when it is read: row j of a sequence becomes p_j (softmax_rows' shaping) only if its drafts
+// before j were accepted, so a chain rejected early shapes two rows, not K + 1.
+//   logits [R, V] float32 or bfloat16, sequence b's K_b + 1 rows after the ones before it;
+//   q [D, V] float32, the draft's distributions (None: point masses, q(x) = 1); drafts [D] int64;
+//   num_draft [B] the K_b; temperature, top_k, top_p, min_p [B]; uniforms [R] float64, laid out
+//   like the rows (K_b coins, then the final draw's).
+// A sampled sequence accepts x_j while u_j < p_j(x_j) / q_j(x_j) (in float64), then draws its last
+// token from max(0, p_n - q_n) at a rejection (p_n itself if rounding left that empty) or from
+// p_K after a full accept, with rowwise.h's sample_row; a greedy one (temperature 0) accepts
+// while x_j is the row's argmax and ends with the argmax. -> (num_accepted [B], final [B]) int64
+std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10::optional<torch::Tensor> q,
+                                                       torch::Tensor drafts, std::vector<int64_t> num_draft,
+                                                       torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                                                       torch::Tensor min_p, torch::Tensor uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "logits [R, V] contiguous");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16, "float32 or bfloat16 logits");
+  const int64_t R = logits.size(0), V = logits.size(1), B = static_cast<int64_t>(num_draft.size());
+  int64_t D = 0;
+  for (const int64_t k : num_draft) {
+    TORCH_CHECK(k >= 0, "a negative number of drafts");
+    D += k;
+  }
+  TORCH_CHECK(R == D + B, "logits has ", R, " rows, the drafts need ", D + B);
+  TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 1 && drafts.size(0) == D && drafts.is_contiguous(), "drafts [D] int64");
+  const float* qp = nullptr;
+  if (q.has_value()) {
+    TORCH_CHECK(q->scalar_type() == torch::kFloat32 && q->is_contiguous() && q->dim() == 2 && q->size(0) == D && q->size(1) == V,
+                "q [D, V] float32 contiguous");
+    qp = q->data_ptr<float>();
+  }
+  const auto per_sequence = [&](const torch::Tensor& t, c10::ScalarType type, const char* what) {
+    TORCH_CHECK(t.scalar_type() == type && t.dim() == 1 && t.size(0) == B && t.is_contiguous(), what, " [B] of ", type);
+  };
+  per_sequence(temperature, torch::kFloat32, "temperature");
+  per_sequence(top_k, torch::kInt64, "top_k");
+  per_sequence(top_p, torch::kFloat32, "top_p");
+  per_sequence(min_p, torch::kFloat32, "min_p");
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.dim() == 1 && uniforms.size(0) == R && uniforms.is_contiguous(),
+              "uniforms [R] float64");
+  const int64_t* x = drafts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < D; ++i) TORCH_CHECK(x[i] >= 0 && x[i] < V, "draft token ", x[i], " is outside the ", V, " rows");
+  const float* tp = temperature.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(tp[b] >= 0.0f && std::isfinite(tp[b]), "temperature ", tp[b]);
+  std::vector<int64_t> row0(B), draft0(B);
+  for (int64_t b = 0, r = 0, d = 0; b < B; ++b) row0[b] = r, draft0[b] = d, r += num_draft[b] + 1, d += num_draft[b];
+  auto accepted = torch::empty({B}, torch::kInt64), final = torch::empty({B}, torch::kInt64);
+  int64_t *acc = accepted.data_ptr<int64_t>(), *fin = final.data_ptr<int64_t>();
+  const double* u = uniforms.data_ptr<double>();
+  const bool f32 = logits.scalar_type() == torch::kFloat32;
+  const void* base = logits.data_ptr();
+#pragma omp parallel for schedule(dynamic) if (B > 1)
+  for (int64_t b = 0; b < B; ++b) {
+    thread_local std::vector<float> p, residual;
+    const auto run = [&](const auto* rows) {
+      const auto row = [&](int64_t j) { return rows + (row0[b] + j) * V; };
+      const int64_t K = num_draft[b];
+      int64_t n = 0;
+      if (tp[b] == 0.0f) {
+        while (n < K && qd::argmax_row(row(n), V) == x[draft0[b] + n]) ++n;
+        acc[b] = n, fin[b] = qd::argmax_row(row(n), V);
+        return;
+      }
+      qd::Filters f;
+      f.top_k = top_k.data_ptr<int64_t>()[b], f.top_p = top_p.data_ptr<float>()[b], f.min_p = min_p.data_ptr<float>()[b];
+      p.resize(V);
+      for (; n < K; ++n) {
+        qd::shaped_row(row(n), V, tp[b], f, p.data());
+        const int64_t token = x[draft0[b] + n];
+        const double qx = qp ? qp[(draft0[b] + n) * V + token] : 1.0;
+        if (!(u[row0[b] + n] < static_cast<double>(p[token]) / qx)) break;
+      }
+      const double coin = u[row0[b] + K];
+      acc[b] = n;
+      if (n == K) {  // the bonus token, from p_K
+        qd::shaped_row(row(K), V, tp[b], f, p.data());
+        fin[b] = qd::sample_row(p.data(), V, coin);
+        return;
+      }
+      residual.resize(V);  // max(0, p_n - q_n), q_n a point mass at x_n where no q is given
+      const float* qrow = qp ? qp + (draft0[b] + n) * V : nullptr;
+      const int64_t token = x[draft0[b] + n];
+      bool mass = false;
+      for (int64_t v = 0; v < V; ++v) {
+        const float qv = qrow ? qrow[v] : (v == token ? 1.0f : 0.0f);
+        residual[v] = std::max(p[v] - qv, 0.0f);
+        mass = mass || residual[v] > 0.0f;
+      }
+      fin[b] = qd::sample_row(mass ? residual.data() : p.data(), V, coin);
+    };
+    f32 ? run(static_cast<const float*>(base)) : run(static_cast<const uint16_t*>(base));
+  }
+  return {accepted, final};
+}

@@ -28,7 +28,7 @@ for name in ("quickdraft/stats.py", "README.md"):
     rows.append(decoder.logits(decoder.forward(torch.tensor(ids), meta.positions("cpu"), kv, meta)[-64:]))
 logits = torch.cat(rows)  # [128, 151936] float32
 if sys.argv[1] == "torch":
-    sampling._kernels = lambda x: None
+    sampling.row_kernels = lambda x: None
 CASES = {"temperature 0.7": (0.7, 0, 1.0, 0.0), "top_p 0.9": (0.7, 0, 0.9, 0.0), "top_p 0.95, t 1": (1.0, 0, 0.95, 0.0),
          "top_k 50": (0.7, 50, 1.0, 0.0), "top_k 50, top_p 0.9": (0.7, 50, 0.9, 0.0), "min_p 0.05": (0.7, 0, 1.0, 0.05)}
 for n in (1, 5):
