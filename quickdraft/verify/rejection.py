@@ -107,7 +107,8 @@ def verify(
     if not any(num_draft_tokens):
         return _plain_draws(target_logits, sampling.to(device), uniforms)
     kernels = sampling_module.row_kernels(target_logits)
-    if kernels is not None and (draft_probs is None or (draft_probs.device.type == "cpu" and draft_probs.dtype == torch.float32)):
+    if kernels is not None and (draft_probs is None or (draft_probs.device.type == "cpu"
+                                                        and draft_probs.dtype == torch.float32)):
         return _native(kernels, draft_token_ids, num_draft_tokens, target_logits, draft_probs, sampling, uniforms)
     layout = _Layout.build(num_draft_tokens, device)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)

@@ -106,8 +106,8 @@ class NativeLayers:
         (the head's argmax), or with ``temperatures`` [batch] (0: greedy) and ``uniforms`` [batch,
         max K] float64, sequence i's j-th token drawn at temperatures[i] with uniforms[i, j],
         and with ``filters`` (top_k, top_p, min_p [batch]) under sequence i's (the kernels' shaping
-        and draw, as sampling.logits_to_probs and sample_from_probs take them on the CPU). What DraftModelProposer's Python
-        loop does, with the same bits. -> (each sequence's draft tokens, each pass's seconds, and
+        and draw, as sampling.logits_to_probs and sample_from_probs take them on the CPU). What
+        DraftModelProposer's Python loop does, with the same bits. -> (each sequence's draft tokens, each pass's seconds, and
         where sampled q [batch, max K, head rows] float32: the distribution each token was drawn
         from, row j of sequence i for its j-th token; else None)."""
         tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long)

@@ -7,26 +7,14 @@ rows; the median ms over 45 calls.
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from quickdraft.kv_cache import KVCache
-from quickdraft.models.decoder import AttentionMetadata, Decoder
-from quickdraft.models.loader import load_model
 from quickdraft.sampling import BatchSampling, SamplingParams, logits_to_probs
 from quickdraft.verify import verify
+from shape_rows import real_logits  # this folder's, beside this script
 
-ROOT = Path(__file__).resolve().parents[4]
-model = load_model("qwen2.5-coder-0.5b-instruct", dtype=torch.bfloat16)
-decoder = Decoder(model.config, model.weights)
-rows = []
-for name in ("quickdraft/stats.py", "README.md"):
-    ids = model.tokenizer.encode((ROOT / name).read_text())[:256]
-    kv = KVCache(decoder.config, 1, len(ids), decoder.dtype, decoder.device)
-    meta = AttentionMetadata.chain([0], [0], [len(ids)])
-    rows.append(decoder.logits(decoder.forward(torch.tensor(ids), meta.positions("cpu"), kv, meta)[-64:]))
-logits = torch.cat(rows)
+logits = real_logits()
 gen = torch.Generator().manual_seed(0)
 batch = BatchSampling.from_params([SamplingParams(temperature=0.7)])
 cases = []
