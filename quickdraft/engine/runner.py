@@ -168,8 +168,9 @@ class Runner:
             # 5 rows of 151,936 logits against numpy's sum's 0.21, Intel Xeon), and with it the
             # argmax an all-greedy chain batch whose logits no request shapes walks along
             walks = self._walks(seqs, proposal)
+            # [rows] each; fine None without the kernels
             argmax, fine = argmax_finite(logits) if walks or row_kernels(logits) is not None else (None, None)
-            if not walks:  # [rows] each; fine None without the kernels
+            if not walks:
                 argmax = None
             ok = _finite_rows(logits, proposal.num_tokens, fine, argmax)  # [batch] bool
             outcome = self._verify(seqs, proposal, logits, argmax)
