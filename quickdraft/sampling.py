@@ -273,6 +273,22 @@ def _cutoffs(scaled: Tensor, top_k: Tensor, top_p: Tensor, width: int) -> tuple[
     return cutoff, too_narrow & (width < vocab)
 
 
+def head_columns(ids: Tensor, vocab_size: int) -> Tensor:
+    """A truncated draft head's ids [N] -> each vocabulary id's row of the head [vocab_size] int32,
+    -1 for the ids it lacks: the columns of a q over the head (DraftProposal.probs_columns)."""
+    columns = torch.full((vocab_size,), -1, dtype=torch.int32, device=ids.device)
+    columns[ids] = torch.arange(ids.shape[0], dtype=torch.int32, device=ids.device)
+    return columns
+
+
+def spread_probs(probs: Tensor, columns: Tensor) -> Tensor:
+    """q [n, N] over a head's rows and ``columns`` [vocab_size] (head_columns) -> q [n, vocab_size],
+    0 for the ids the head lacks."""
+    columns = columns.to(probs.device)
+    spread = probs[:, columns.clamp(min=0).long()]
+    return spread.masked_fill_((columns < 0).view(1, -1), 0.0)
+
+
 def sample_from_probs(probs: Tensor, uniforms: Tensor) -> Tensor:
     """Token ids [N] int64 drawn from ``probs`` [N, V] by inverse CDF with ``uniforms`` [N] float64
     in [0, 1): the first token whose cumulative mass exceeds u * total.

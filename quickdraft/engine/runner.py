@@ -257,6 +257,7 @@ class Runner:
             proposal.token_ids.to(logits.device), proposal.num_tokens, self._shaped(seqs, proposal, logits),
             None if proposal.probs is None else proposal.probs.to(logits.device),
             BatchSampling.from_params([s.params for s in seqs], logits.device), uniforms,
+            None if proposal.probs_columns is None else proposal.probs_columns.to(logits.device),
         )
 
     def _commit(self, seqs: list[Sequence], batch: VerificationPass, outcome: VerifyOutput, ok: list[bool],
@@ -423,6 +424,7 @@ class Runner:
         gives it the chain verifier's draws); the commit moves the accepted path's keys and values
         into place. Proposers make trees only where proposers/base.accepts_trees allows (no shaping, grammar or logprobs)."""
         logits = self._shaped(seqs, proposal, logits)  # the chains' rows, where a request shapes them
+        proposal = proposal.spread()
         token_ids, accepted, shapes, row, at = [], [], [], 0, 0
         for i, (s, k) in enumerate(zip(seqs, proposal.num_tokens)):
             parents = proposal.tree(i) or list(range(-1, k - 1))
@@ -491,6 +493,7 @@ def _grammar_drafts(seqs: list[Sequence], proposal: DraftProposal, forced: list[
     """The proposal with each grammar sequence's forced tokens as its draft (point masses: a
     one-hot q where the proposal carries q), and every other draft of a grammar sequence cut
     before its first token the grammar rejects (that token would be rejected: p = 0 there)."""
+    proposal = proposal.spread()
     drafts, rows, at = [], [], 0
     for s, k, f in zip(seqs, proposal.num_tokens, forced):
         own = proposal.token_ids[at : at + k].tolist()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from quickdraft.errors import ConfigError
+from quickdraft.sampling import spread_probs
 from quickdraft.verify.penalties import shapes_logits
 
 if TYPE_CHECKING:
@@ -38,6 +39,11 @@ class DraftProposal:
     # it (its whole path), where the proposer has one (the draft model's trees); a node's value
     # never exceeds its parent's. None (for the batch or a sequence): no estimate, kept as proposed
     values: list[list[float] | None] | None = None
+    # [vocab] int32 where probs is [num_draft_tokens, N] over a draft model's truncated head:
+    # each vocabulary id's column of probs, -1 where q is 0 (sampling.head_columns). The CPU
+    # kernels verify such rows as they are, where spreading them over the vocabulary took ~0.4 ms
+    # a step; None: probs spans the vocabulary
+    probs_columns: torch.Tensor | None = None
 
     def tree(self, i: int) -> list[int] | None:
         """Sequence i's parents when its drafts form a tree, else None."""
@@ -61,7 +67,15 @@ class DraftProposal:
             at += k
         rows = torch.tensor(flat, dtype=torch.long)
         probs = None if self.probs is None else self.probs[rows.to(self.probs.device)]
-        return DraftProposal(self.token_ids[rows], counts, probs, parents, values)
+        return DraftProposal(self.token_ids[rows], counts, probs, parents, values, self.probs_columns)
+
+    def spread(self) -> "DraftProposal":
+        """The proposal with probs over the whole vocabulary (itself where it already is): for
+        every use but the chains' verification (trees, forced grammar tokens)."""
+        if self.probs_columns is None:
+            return self
+        return DraftProposal(self.token_ids, self.num_tokens, spread_probs(self.probs, self.probs_columns), self.parents,
+                             self.values)
 
     @classmethod
     def empty(cls, batch: int, device="cpu") -> "DraftProposal":

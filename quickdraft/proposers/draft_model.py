@@ -47,7 +47,7 @@ from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
 from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
-from quickdraft.sampling import draw_uniforms
+from quickdraft.sampling import draw_uniforms, head_columns
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
                                               top_children, tree_requests)
 
@@ -67,6 +67,7 @@ class DraftModelProposer:
         self.branching: bool | None = True if num_branches > 1 else None
         self.vocab_size = draft.config.vocab_size
         self.head_ids = None if head_ids is None else head_ids.to(draft.device)
+        self.head_columns = None if head_ids is None else head_columns(self.head_ids, self.vocab_size)
         self.threshold = confidence_threshold
         self.kv = KVCache(draft.config, num_slots, max_len, draft.dtype, draft.device)
         self._cached = [0] * num_slots
@@ -192,10 +193,10 @@ class DraftModelProposer:
             drafts[i] = drafted[a]
             self._cached[slot] += len(feeds[a]) + len(drafted[a]) - 1  # the last draft token is not read
         q_all = None
-        if q is not None:  # each drafted token's distribution, sequence by sequence, over the vocabulary
+        if q is not None:  # each drafted token's distribution, sequence by sequence, over the head's rows
             q_all = torch.cat([q[a, : len(d)] for a, d in enumerate(drafted)])
-            q_all = to_vocab(torch.zeros(0, dtype=torch.long), q_all, self.head_ids, self.vocab_size)[1]
-        return DraftProposal(torch.tensor([t for d in drafts for t in d], dtype=torch.long), [len(d) for d in drafts], q_all)
+        return DraftProposal(torch.tensor([t for d in drafts for t in d], dtype=torch.long), [len(d) for d in drafts], q_all,
+                             probs_columns=self.head_columns if q_all is not None else None)
 
     def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
         """A token tree for each sequence, grown as EAGLE-2 does (Li et al. 2024, "dynamic draft

@@ -139,6 +139,7 @@ def merged_proposal(chains: DraftProposal, trees: dict[int, tuple[list[int], lis
     """One proposal: sequence i's tree where ``trees`` has it (tokens, parents, values), else its
     chain from ``chains``. Trees are drafted for greedy requests only, whose verification never
     reads q: where the chains carry q, a tree node's row is its token's point mass."""
+    chains = chains.spread()
     flat, counts, parents, values, probs, at = [], [], [], [], [], 0
     for i in range(batch):
         k = chains.num_tokens[i]

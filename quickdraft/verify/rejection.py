@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from quickdraft import sampling as sampling_module
-from quickdraft.sampling import BatchSampling, argmax_rows, logits_to_probs, sample_from_probs
+from quickdraft.sampling import BatchSampling, argmax_rows, logits_to_probs, sample_from_probs, spread_probs
 
 
 @dataclass
@@ -87,12 +87,15 @@ def verify(
     draft_probs: Tensor | None,  # [num_draft_tokens, V] q, shaped by the same params; None = point masses
     sampling: BatchSampling,  # [batch]
     uniforms: Tensor,  # [num_draft_tokens + batch] float64 in [0, 1): per sequence K_i coins, then 1
+    draft_columns: Tensor | None = None,  # [V] int32: draft_probs is [num_draft_tokens, N], id v's q in column
+    # draft_columns[v] (-1: q is 0), a draft's truncated head (sampling.head_columns)
 ) -> VerifyOutput:
     """Verify a ragged batch of draft chains against the target (see the module docstring).
 
     Row j of sequence i's target rows scores the token after draft token j - 1 (row 0: after the
     last committed token). ``draft_probs`` None means point-mass drafts (n-gram lookup): q(x) = 1
-    for the proposed token. Vectorized over the batch: all-greedy batches need one argmax per
+    for the proposed token. With ``draft_columns`` (a draft's truncated head) q is given over
+    the head's rows alone and is 0 for the ids it lacks. Vectorized over the batch: all-greedy batches need one argmax per
     row (then a walk along lists); sampled ones shape p (one softmax per row), gather p(x) and
     q(x) for every draft token at once and touch the whole vocabulary again only for the final
     draw, once per sequence.
@@ -100,7 +103,7 @@ def verify(
     if min(num_draft_tokens, default=0) < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     _check_shapes(draft_token_ids, len(num_draft_tokens), sum(num_draft_tokens), target_logits, draft_probs, sampling,
-                  uniforms)
+                  uniforms, draft_columns)
     if bool(sampling.greedy.all()):
         return greedy_walk(draft_token_ids, num_draft_tokens, target_logits)
     device = target_logits.device
@@ -109,7 +112,10 @@ def verify(
     kernels = sampling_module.row_kernels(target_logits)
     if kernels is not None and (draft_probs is None or (draft_probs.device.type == "cpu"
                                                         and draft_probs.dtype == torch.float32)):
-        return _native(kernels, draft_token_ids, num_draft_tokens, target_logits, draft_probs, sampling, uniforms)
+        return _native(kernels, draft_token_ids, num_draft_tokens, target_logits, draft_probs, sampling, uniforms,
+                       draft_columns)
+    if draft_columns is not None:  # torch's rule reads q over the vocabulary
+        draft_probs = spread_probs(draft_probs, draft_columns)
     layout = _Layout.build(num_draft_tokens, device)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
     uniforms = uniforms.to(device=device, dtype=torch.float64)
@@ -126,7 +132,8 @@ def verify(
 
 
 def _native(kernels, draft_token_ids: Tensor, num_draft_tokens: list[int], target_logits: Tensor,
-            draft_probs: Tensor | None, sampling: BatchSampling, uniforms: Tensor) -> VerifyOutput:
+            draft_probs: Tensor | None, sampling: BatchSampling, uniforms: Tensor,
+            draft_columns: Tensor | None = None) -> VerifyOutput:
     """The same rule in the CPU kernels (kernels/rowwise.cpp's verify_chains): the tokens the torch
     path below emits, with each target row shaped only once the drafts before it were accepted and
     none of the ragged layout's small tensors: a sequence of K = 4 at temperature 0.7 took
@@ -136,7 +143,7 @@ def _native(kernels, draft_token_ids: Tensor, num_draft_tokens: list[int], targe
         target_logits.contiguous(), None if draft_probs is None else draft_probs.contiguous(), drafts,
         list(num_draft_tokens), sampling.temperature.float().contiguous(), sampling.top_k.long().contiguous(),
         sampling.top_p.float().contiguous(), sampling.min_p.float().contiguous(),
-        uniforms.to(torch.float64).cpu().contiguous())
+        uniforms.to(torch.float64).cpu().contiguous(), None if draft_columns is None else draft_columns.to(torch.int32).contiguous())
     flat, counts, token_ids, at = drafts.tolist(), accepted.tolist(), [], 0
     for k, n, last in zip(num_draft_tokens, counts, final.tolist()):
         token_ids.append(flat[at : at + n] + [last])
@@ -268,16 +275,20 @@ def _check_shapes(
     draft_probs: Tensor | None,
     sampling: BatchSampling,
     uniforms: Tensor,
+    draft_columns: Tensor | None = None,
 ) -> None:
     """Shape errors are the caller's bug: raise ValueError with the sizes that disagree."""
     if tuple(draft_token_ids.shape) != (total,):
         raise ValueError(f"draft_token_ids has shape {tuple(draft_token_ids.shape)}, expected ({total},)")
     if target_logits.dim() != 2 or target_logits.shape[0] != total + batch:
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}, expected ({total + batch}, V)")
-    if draft_probs is not None and tuple(draft_probs.shape) != (total, target_logits.shape[1]):
-        raise ValueError(
-            f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({total}, {target_logits.shape[1]})"
-        )
+    vocab = target_logits.shape[1]
+    if draft_columns is not None and (draft_probs is None or tuple(draft_columns.shape) != (vocab,)):
+        raise ValueError(f"draft_columns needs draft_probs and has shape ({vocab},), got {tuple(draft_columns.shape)}")
+    if draft_probs is not None and (draft_probs.dim() != 2 or draft_probs.shape[0] != total
+                                    or draft_columns is None and draft_probs.shape[1] != vocab):
+        raise ValueError(f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({total}, "
+                         f"{vocab if draft_columns is None else 'N'})")
     if len(sampling) != batch:
         raise ValueError(f"sampling has {len(sampling)} rows, expected {batch}")
     if tuple(uniforms.shape) != (total + batch,):

@@ -100,7 +100,9 @@ def drive(draft: Decoder, native: bool, threshold: float, head_ids: torch.Tensor
             proposer.observe(seqs, SimpleNamespace(num_accepted=accepted, token_ids=committed))
             for s, t in zip(seqs, committed):
                 s.token_ids += t
-            seen.append((drafts, list(proposer._cached), proposal.probs))
+            # q over the vocabulary: the native chains' rows stay over a truncated head's ids
+            assert proposal.probs_columns is None or (native and head_ids is not None)
+            seen.append((drafts, list(proposer._cached), proposal.spread().probs))
     finally:
         if native:
             del draft.native.chains

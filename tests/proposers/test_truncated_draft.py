@@ -97,7 +97,10 @@ def test_sampled_q_is_zero_outside_the_subset(tmp_path):
               for t, k, s in ((1.0, 0, 1), (0.7, 5, 2), (0.0, 0, 3))]  # a greedy row in a sampled batch
     eng.generate_ids(PROMPTS, params)
     outside = torch.tensor([i not in ids for i in range(96)])
-    q = torch.cat([p.probs for p in proposals if p.probs is not None])  # [num_draft_tokens, 96]
+    # [num_draft_tokens, 96]: the native chains give q over the subset's ids (probs_columns), spread here
+    q = torch.cat([p.spread().probs for p in proposals if p.probs is not None])
+    native = eng.proposer.native_chains and eng.proposer.model.native is not None and eng.proposer.model.native.one_call
+    assert any(p.probs_columns is not None for p in proposals) == native  # and the verifier read them so
     tokens = torch.cat([p.token_ids for p in proposals if p.probs is not None])
     assert q.shape[1] == 96 and q.shape[0] == tokens.shape[0] > 0
     assert torch.allclose(q.sum(-1), torch.ones(q.shape[0]), atol=1e-5)

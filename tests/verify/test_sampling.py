@@ -134,13 +134,15 @@ def test_shape_errors_name_the_argument(change, message):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("point_masses", [False, True], ids=["q", "point-masses"])
-def test_the_kernels_rule_emits_the_torch_paths_tokens(monkeypatch, dtype, point_masses):
+@pytest.mark.parametrize("kind", ["q", "point-masses", "head"])
+def test_the_kernels_rule_emits_the_torch_paths_tokens(monkeypatch, dtype, kind):
     """On the CPU verify runs the rule in the kernels (rowwise.cpp's verify_chains), shaping a
     target row only once the drafts before it were accepted; torch's path (CUDA's) shapes them
     all. Both emit the same tokens, batch after batch: greedy, temperature, top-k, top-p and
     min-p sequences side by side, chains of 0 to 5 drafts, drafts the target likes (accepted)
-    and ones it does not (recovered), with q or as point masses."""
+    and ones it does not (recovered), with q, as point masses, or with q over a truncated draft
+    head's rows alone (``draft_columns``: the kernels read it as it is, and emit what they emit
+    for the same q spread over the vocabulary)."""
     from quickdraft import sampling
 
     if sampling.row_kernels(torch.zeros(1, 1)) is None:
@@ -156,16 +158,26 @@ def test_the_kernels_rule_emits_the_torch_paths_tokens(monkeypatch, dtype, point
         logits = (torch.randn(sum(ks) + len(ks), vocab, generator=gen) * 3).to(dtype)
         q_logits = logits[[r for i, k in enumerate(ks) for r in range(sum(ks[:i]) + i, sum(ks[:i]) + i + k)]].float()
         q_logits += torch.randn(q_logits.shape, generator=gen) * (0.5 if trial % 2 else 3.0)  # a close draft, a poor one
+        ids = None
+        if kind == "head":  # the draft's head holds 200 of the 300 ids, in an order of its own
+            ids = torch.randperm(vocab, generator=gen)[:200]
+            outside = torch.ones(vocab, dtype=torch.bool)
+            outside[ids] = False
+            q_logits[:, outside] = -torch.inf
         batch = BatchSampling.from_params(params)
         per_draft = batch.select(torch.repeat_interleave(torch.arange(len(ks)), torch.tensor(ks)))
         q = sampling.logits_to_probs(q_logits, per_draft.temperature, per_draft.top_k, per_draft.top_p, per_draft.min_p)
         drafts = sampling.sample_from_probs(q, torch.rand(q.shape[0], generator=gen, dtype=torch.float64))
         uniforms = torch.rand(sum(ks) + len(ks), generator=gen, dtype=torch.float64)
-        args = (drafts, ks, logits, None if point_masses else q, batch, uniforms)
+        given = None if kind == "point-masses" else q if ids is None else q[:, ids].contiguous()
+        args = (drafts, ks, logits, given, batch, uniforms, None if ids is None else sampling.head_columns(ids, vocab))
         native = verify(*args)
         with monkeypatch.context() as m:
             m.setattr(sampling, "row_kernels", lambda x: None)
             python = verify(*args)
         assert native.token_ids == python.token_ids and native.num_accepted == python.num_accepted, trial
+        if ids is not None:
+            spread = verify(drafts, ks, logits, q, batch, uniforms)
+            assert native.token_ids == spread.token_ids and native.num_accepted == spread.num_accepted, trial
         seen.update((n > 0, n < k) for n, k in zip(native.num_accepted, ks) if k)
     assert seen == {(False, True), (True, True), (True, False)}  # rejected first, part accepted, all accepted

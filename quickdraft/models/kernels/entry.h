@@ -64,7 +64,8 @@ torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms);
 std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10::optional<torch::Tensor> q,
                                                        torch::Tensor drafts, std::vector<int64_t> num_draft,
                                                        torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                                                       torch::Tensor min_p, torch::Tensor uniforms);
+                                                       torch::Tensor min_p, torch::Tensor uniforms,
+                                                       c10::optional<torch::Tensor> q_columns);
 
 // layer.cpp
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,

@@ -95,7 +95,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("temperature"), py::arg("top_k") = py::none(), py::arg("top_p") = py::none(),
         py::arg("min_p") = py::none());
   m.def("verify_chains", &verify_chains, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "speculative sampling's rule on draft chains: each sequence's accepted drafts and final token");
+        "speculative sampling's rule on draft chains: each sequence's accepted drafts and final token",
+        py::arg("logits"), py::arg("q"), py::arg("drafts"), py::arg("num_draft"), py::arg("temperature"), py::arg("top_k"),
+        py::arg("top_p"), py::arg("min_p"), py::arg("uniforms"), py::arg("q_columns") = py::none());
   m.def("sample_probs", &sample_probs, "a row drawn from each row of probs with its uniform: the first whose cumulative mass passes u x total");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, each step rounded to the dtype as torch rounds it");
   m.def("linear_w8", &linear_w8, "x @ (w * scale).T + b: int8 weights and int8-quantized rows of x");

@@ -230,7 +230,8 @@ torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms) {
 std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10::optional<torch::Tensor> q,
                                                        torch::Tensor drafts, std::vector<int64_t> num_draft,
                                                        torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                                                       torch::Tensor min_p, torch::Tensor uniforms) {
+                                                       torch::Tensor min_p, torch::Tensor uniforms,
+                                                       c10::optional<torch::Tensor> q_columns) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "logits [R, V] contiguous");
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16, "float32 or bfloat16 logits");
   const int64_t R = logits.size(0), V = logits.size(1), B = static_cast<int64_t>(num_draft.size());
@@ -241,12 +242,35 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10
   }
   TORCH_CHECK(R == D + B, "logits has ", R, " rows, the drafts need ", D + B);
   TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 1 && drafts.size(0) == D && drafts.is_contiguous(), "drafts [D] int64");
+  // q [D, Q]: over the vocabulary (Q = V), or with q_columns [V] over some ids alone (a draft's
+  // truncated head: q is 0 elsewhere), q_columns[v] being v's column of q or -1, so that the
+  // draft's rows need not be spread over V first. The columns are sampling.head_columns's, read
+  // as given: a value past Q - 1 reads column Q - 1 and a negative one q = 0, never outside q (a
+  // pass over V to check them took as long as verifying a row)
   const float* qp = nullptr;
+  const int32_t* columns = nullptr;
+  int64_t Q = V;
+  if (q_columns.has_value()) {
+    TORCH_CHECK(q.has_value() && q->dim() == 2, "q_columns without q [D, Q]");
+    TORCH_CHECK(q_columns->scalar_type() == torch::kInt32 && q_columns->dim() == 1 && q_columns->size(0) == V &&
+                    q_columns->is_contiguous(),
+                "q_columns [", V, "] int32");
+    Q = q->size(1);
+    TORCH_CHECK(Q > 0, "q has no columns");
+    columns = q_columns->data_ptr<int32_t>();
+  }
+  const int32_t last = static_cast<int32_t>(Q - 1);
+  const auto column = [&](int64_t v) -> int64_t { return columns ? std::min(columns[v], last) : v; };  // < 0: q is 0
   if (q.has_value()) {
-    TORCH_CHECK(q->scalar_type() == torch::kFloat32 && q->is_contiguous() && q->dim() == 2 && q->size(0) == D && q->size(1) == V,
-                "q [D, V] float32 contiguous");
+    TORCH_CHECK(q->scalar_type() == torch::kFloat32 && q->is_contiguous() && q->dim() == 2 && q->size(0) == D && q->size(1) == Q,
+                "q [D, ", Q, "] float32 contiguous");
     qp = q->data_ptr<float>();
   }
+  const auto q_at = [&](int64_t draft, int64_t token) -> double {  // q of `token` in draft row `draft`
+    if (qp == nullptr) return 1.0;
+    const int64_t c = column(token);
+    return c < 0 ? 0.0 : static_cast<double>(qp[draft * Q + c]);
+  };
   const auto per_sequence = [&](const torch::Tensor& t, c10::ScalarType type, const char* what) {
     TORCH_CHECK(t.scalar_type() == type && t.dim() == 1 && t.size(0) == B && t.is_contiguous(), what, " [B] of ", type);
   };
@@ -282,11 +306,22 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10
       qd::Filters f;
       f.top_k = top_k.data_ptr<int64_t>()[b], f.top_p = top_p.data_ptr<float>()[b], f.min_p = min_p.data_ptr<float>()[b];
       p.resize(V);
+      // a row with a temperature alone is tested on its e values: p(x) is e(x) over their sum, the
+      // bits of softmax_row's division, and only a row that rejects is divided whole
+      const bool filtered = f.any(V);
+      float total = 1.0f;
       for (; n < K; ++n) {
-        qd::shaped_row(row(n), V, tp[b], f, p.data());
+        if (filtered) {
+          qd::shaped_row(row(n), V, tp[b], f, p.data());
+        } else {
+          total = qd::softmax_exps(row(n), V, tp[b], p.data());
+        }
         const int64_t token = x[draft0[b] + n];
-        const double qx = qp ? qp[(draft0[b] + n) * V + token] : 1.0;
-        if (!(u[row0[b] + n] < static_cast<double>(p[token]) / qx)) break;
+        const double qx = q_at(draft0[b] + n, token);
+        if (!(u[row0[b] + n] < static_cast<double>(filtered ? p[token] : p[token] / total) / qx)) {
+          if (!filtered) qd::divide_row(p.data(), V, total);
+          break;
+        }
       }
       const double coin = u[row0[b] + K];
       acc[b] = n;
@@ -296,14 +331,27 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10
         return;
       }
       residual.resize(V);  // max(0, p_n - q_n), q_n a point mass at x_n where no q is given
-      const float* qrow = qp ? qp + (draft0[b] + n) * V : nullptr;
+      const float* qrow = qp ? qp + (draft0[b] + n) * Q : nullptr;
       const int64_t token = x[draft0[b] + n];
-      bool mass = false;
-      for (int64_t v = 0; v < V; ++v) {
-        const float qv = qrow ? qrow[v] : (v == token ? 1.0f : 0.0f);
-        residual[v] = std::max(p[v] - qv, 0.0f);
-        mass = mass || residual[v] > 0.0f;
+      if (columns == nullptr) {
+        for (int64_t v = 0; v < V; ++v) {
+          const float qv = qrow ? qrow[v] : (v == token ? 1.0f : 0.0f);
+          residual[v] = std::max(p[v] - qv, 0.0f);
+        }
+      } else {  // q_v is column c's, or +0 where c is -1: masked bits, not a branch (the head's ids
+        // fall anywhere in the vocabulary, and a branch on them took 0.7 ms a row, mispredicted)
+        for (int64_t v = 0; v < V; ++v) {
+          const int32_t c = std::min(columns[v], last);
+          uint32_t bits;
+          std::memcpy(&bits, qrow + (c & ~(c >> 31)), sizeof bits);  // column 0 where c is -1
+          bits &= static_cast<uint32_t>(~(c >> 31));
+          float qv;
+          std::memcpy(&qv, &bits, sizeof qv);
+          residual[v] = std::max(p[v] - qv, 0.0f);
+        }
       }
+      bool mass = false;
+      for (int64_t v = 0; v < V && !mass; ++v) mass = residual[v] > 0.0f;
       fin[b] = qd::sample_row(mass ? residual.data() : p.data(), V, coin);
     };
     f32 ? run(static_cast<const float*>(base)) : run(static_cast<const uint16_t*>(base));

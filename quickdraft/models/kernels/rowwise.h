@@ -239,18 +239,24 @@ int64_t argmax_row(const T* x, int64_t n, bool* finite = nullptr) {
 // +inf or NaN is all NaN, as torch's is. Written by hand because torch's softmax and its double
 // cumulative sum for the draw took ~1.9 ms a 151,936-logit row (AMD EPYC Zen 1), against a draft
 // pass of ~14 ms: sampling.logits_to_probs on the CPU, and the draft's native chains.
+//
+// In two steps, so that the verifier can test a draft token against a row without its third pass
+// (verify_chains): softmax_exps leaves the row's e^(x / t - max) in q and returns their sum, and
+// the division by it follows only where the whole row is wanted.
 template <typename T>
-void softmax_row(const T* x, int64_t n, float t, float* q) {
+float softmax_exps(const T* x, int64_t n, float t, float* q) {
   const simd::F16 tv = simd::set1_f(t), zero = simd::zero_f();
   simd::F16 top = simd::set1_f(-INFINITY), nonfinite = simd::zero_f();
   for (int64_t i = 0; i < n; i += 16) {
-    top = simd::max(top, simd::div(load16(x, i, n, -INFINITY), tv));
+    top = simd::max(top, load16(x, i, n, -INFINITY));
     nonfinite = simd::add(nonfinite, simd::mul(zero, load16(x, i, n, 0.0f)));  // NaN where any is inf or NaN
   }
-  const float m = simd::reduce_max(top);
+  // the largest x / t is the largest x divided by t: a correctly rounded division by t > 0 never
+  // reverses an order, so one division, not one a value, gives the same bits
+  const float m = simd::reduce_max(top) / t;
   if (!std::isfinite(m)) {
     for (int64_t i = 0; i < n; ++i) q[i] = NAN;
-    return;
+    return NAN;
   }
   const bool masked = std::isnan(simd::reduce_add(nonfinite));  // some logit is -inf (the maximum is finite)
   const simd::F16 minus = simd::set1_f(-m);
@@ -268,11 +274,21 @@ void softmax_row(const T* x, int64_t n, float t, float* q) {
     sum = simd::add(sum, e);
     store_n(q + i, e, live);
   }
-  const simd::F16 total = simd::set1_f(simd::reduce_add(sum));
+  return simd::reduce_add(sum);
+}
+
+// q [n] (softmax_exps's e values) divided by their sum `total`: softmax_row's last pass
+inline void divide_row(float* q, int64_t n, float total) {
+  const simd::F16 tv = simd::set1_f(total);
   for (int64_t i = 0; i < n; i += 16) {
     const int live = n - i < 16 ? static_cast<int>(n - i) : 16;
-    store_n(q + i, simd::div(load_n(q + i, live), total), live);
+    store_n(q + i, simd::div(load_n(q + i, live), tv), live);
   }
+}
+
+template <typename T>
+void softmax_row(const T* x, int64_t n, float t, float* q) {
+  divide_row(q, n, softmax_exps(x, n, t, q));
 }
 
 // A token drawn from q [n] (q >= 0, some mass; need not sum to 1) with a uniform u in [0, 1):
