@@ -215,9 +215,10 @@ def chain_split(decoder, kv, floor_ms: float, k: int, slot: int = 0, context: in
     return {"k": k, "chains": chains, "pass_ms": ms, "floor_ms": floor_ms, "floor_share": floor_ms / ms}
 
 
-def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
-    """The engine's own time a decoding step, beside its models' passes: one greedy request of
-    ``prompt_ids`` decoded for ``steps`` steps after its prompt's pass; for each step, the
+def engine_split(engine, prompt_ids: list[int], steps: int = 32, temperature: float = 0.0) -> dict:
+    """The engine's own time a decoding step, beside its models' passes: one request of
+    ``prompt_ids`` (greedy, or sampled at ``temperature`` with a fixed seed) decoded for ``steps``
+    steps after its prompt's pass; for each step, the
     runner's phases (engine/runner.py's StepTimes) and the seconds spent inside any Decoder's
     ``forward`` and ``logits`` (the target's and a draft's) and a draft's native ``chains`` (its
     passes in one call), timed by wrapping those methods for the run; then the request is
@@ -247,8 +248,8 @@ def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
         setattr(cls, name, timed(method))
     try:
         # room for every step to emit all its drafts; the request is cut after ``steps`` steps
-        request = engine.add_request(list(prompt_ids), SamplingParams(max_tokens=64 * (steps + 1), temperature=0.0,
-                                                                      ignore_eos=True))
+        request = engine.add_request(list(prompt_ids), SamplingParams(max_tokens=64 * (steps + 1), temperature=temperature,
+                                                                      seed=0, ignore_eos=True))
         for step in range(steps + 1):
             if not engine.has_unfinished():  # the context ran out
                 break
@@ -269,7 +270,7 @@ def engine_split(engine, prompt_ids: list[int], steps: int = 32) -> dict:
         for (cls, name), method in originals.items():
             setattr(cls, name, method)
     med = {k: statistics.median(v) * 1e3 for k, v in rows.items() if v}
-    return {"steps": len(rows["step"]), "step_ms": med.get("step"), "models_ms": med.get("models"),
+    return {"steps": len(rows["step"]), "temperature": temperature, "step_ms": med.get("step"), "models_ms": med.get("models"),
             "engine_ms": med.get("engine"),
             "phases_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()}}
 

@@ -39,10 +39,11 @@ def test_profile_command(capsys, tmp_path, smollm2_path):
     if p["matrices_ms"] is not None:  # the kernels run the layers: the parts add up to the pass
         parts = p["matrices_ms"] + p["attention_ms"] + p["other_layer_ms"]
         assert min(p["matrices_ms"], p["attention_ms"], p["other_layer_ms"]) > 0 and parts < p["forward_ms"]
-    e = split["engine"]
-    assert e["steps"] == 32 and 0 < e["models_ms"] < e["step_ms"]
-    assert 0 < e["engine_ms"] < e["step_ms"]
-    assert set(e["phases_ms"]) == {"propose", "plan", "build", "forward", "verify", "commit"}
+    for name, temperature in (("engine", 0.0), ("engine_sampled", 0.7)):  # a greedy step, and a sampled one
+        e = split[name]
+        assert e["steps"] == 32 and e["temperature"] == temperature and 0 < e["models_ms"] < e["step_ms"]
+        assert 0 < e["engine_ms"] < e["step_ms"]
+        assert set(e["phases_ms"]) == {"propose", "plan", "build", "forward", "verify", "commit"}
 
 
 def test_profile_splits_the_draft_pass_too(capsys):
@@ -52,6 +53,7 @@ def test_profile_splits_the_draft_pass_too(capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "\ntarget | " in out and "\ndraft  | " in out and "the engine" in out
+    assert "(median of 32, greedy)" in out and "(median of 32, sampled at temperature 0.7)" in out
     if native_decoder() is not None:  # the draft's greedy chains run in one native call there: timed too
         assert "draft greedy chains of 2 passes in one native call: " in out
 

@@ -9,7 +9,8 @@ expects. The figures are predictions of the model from measured costs, not measu
 Before the plan it says where the time goes (quickdraft/measure.py): a one-row pass of the target
 and of the draft against its floor (its weight bytes over the memory bandwidth measured here),
 split into the layers' matrices, their attention, the rest of the layers, the rest of the pass
-and the output head; and the engine's own time a decoding step, outside the models' passes.
+and the output head; and the engine's own time a decoding step, outside the models' passes, for a
+greedy request and for a sampled one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 BATCHES = (1, 2, 4, 8, 16)
 ALPHAS = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9)
 CONTEXT = 256  # tokens each sequence holds in the predictions
+SAMPLED_TEMPERATURE = 0.7  # the sampled step's (engine_sampled)
 SPLIT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 
 
@@ -99,7 +101,10 @@ def split(engine) -> dict:
         if getattr(engine.proposer, "native_chains", False):
             k = max(1, engine.config.speculative.num_speculative_tokens)
             out["draft_chain"] = chain_split(draft, draft_kv, out["draft"]["floor_ms"], k, context=CONTEXT)
-    out["engine"] = engine_split(engine, engine.tokenizer.encode(SPLIT_PROMPT))
+    prompt = engine.tokenizer.encode(SPLIT_PROMPT)
+    out["engine"] = engine_split(engine, prompt)
+    # a sampled request's step too: its drafts carry q, and the verifier shapes the target's rows
+    out["engine_sampled"] = engine_split(engine, prompt, temperature=SAMPLED_TEMPERATURE)
     return out
 
 
@@ -128,10 +133,13 @@ def _split_lines(split: dict) -> list[str]:
     if c is not None:
         lines.append(f"draft greedy chains of {c['k']} passes in one native call: {ms(c['pass_ms'])} ms a pass "
                      f"(floor {ms(c['floor_ms'])}, {share(c['floor_share'])})")
-    e = split["engine"]
-    phases = ", ".join(f"{k} {v:.2f}" for k, v in e["phases_ms"].items())
-    lines.append(f"a decoding step (median of {e['steps']}, greedy): {ms(e['step_ms'])} ms = the models' passes "
-                 f"{ms(e['models_ms'])} + the engine {ms(e['engine_ms'])} (phases: {phases})")
+    for e in (split["engine"], split.get("engine_sampled")):
+        if e is None:
+            continue
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in e["phases_ms"].items())
+        how = "greedy" if not e["temperature"] else f"sampled at temperature {e['temperature']:g}"
+        lines.append(f"a decoding step (median of {e['steps']}, {how}): {ms(e['step_ms'])} ms = the models' passes "
+                     f"{ms(e['models_ms'])} + the engine {ms(e['engine_ms'])} (phases: {phases})")
     return lines
 
 
