@@ -19,7 +19,8 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.proposers.draft_sampling import sample_draft, to_vocab
-from quickdraft.sampling import BatchSampling, SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
+from quickdraft.sampling import (BatchSampling, SamplingParams, draw_uniforms, head_columns, logits_to_probs,
+                                 sample_from_probs)
 from quickdraft.structured import apply_masks
 from quickdraft.verify import rejection, verify
 
@@ -56,9 +57,10 @@ def truncated_draft(logits: torch.Tensor, params: SamplingParams, gen: torch.Gen
 
 def speculative_step(pos: int, prev: torch.Tensor, params: SamplingParams, gen: torch.Generator,
                      point_mass: bool, pass_q: bool = True, subset: torch.Tensor | None = None,
-                     full_q: bool = False) -> list[list[int]]:
+                     full_q: bool = False, head_rows: bool = False) -> list[list[int]]:
     """One verify step for len(prev) sequences at position ``pos`` after tokens ``prev`` [n];
-    ``subset``: the draft's truncated vocabulary."""
+    ``subset``: the draft's truncated vocabulary; ``head_rows``: q handed on over the subset's
+    rows with their columns (sampling.head_columns), as the draft's native chains hand it on."""
     n = prev.shape[0]
     ctx, target_rows, q_rows, draft = prev, [], [], []
     for j in range(K):
@@ -74,13 +76,15 @@ def speculative_step(pos: int, prev: torch.Tensor, params: SamplingParams, gen: 
         q_rows.append(q)
         draft.append(ctx)
     target_rows.append(TARGET[pos + K][ctx])
+    q_all = None if point_mass or not pass_q else torch.stack(q_rows, 1).reshape(n * K, V)
     out = verify(
         torch.stack(draft, 1).reshape(n * K),
         [K] * n,
         torch.stack(target_rows, 1).reshape(n * (K + 1), V),
-        None if point_mass or not pass_q else torch.stack(q_rows, 1).reshape(n * K, V),
+        q_all[:, subset].contiguous() if head_rows else q_all,
         BatchSampling.from_params([params]).select(torch.zeros(n, dtype=torch.int64)),
         draw_uniforms(gen, n * (K + 1)),
+        head_columns(subset, V) if head_rows else None,
     )
     return out.token_ids
 
@@ -198,10 +202,11 @@ TRUNCATED = {
 }
 
 
+@pytest.mark.parametrize("head_rows", [False, True], ids=["q spread", "q over the head's rows"])
 @pytest.mark.parametrize("name", list(TRUNCATED))
-def test_truncated_draft_vocabulary_follows_the_target(name):
+def test_truncated_draft_vocabulary_follows_the_target(name, head_rows):
     params = TRUNCATED[name]
-    tokens = first_two_tokens(params, False, seed=40, n=N // 2, subset=SUBSET)
+    tokens = first_two_tokens(params, False, seed=40, n=N // 2, subset=SUBSET, head_rows=head_rows)
     p_first, p_joint = pvalues(tokens, params)
     assert p_first > ALPHA and p_joint > ALPHA, (name, p_first, p_joint)
     outside = ~torch.isin(tokens, SUBSET)
