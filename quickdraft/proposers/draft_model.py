@@ -194,7 +194,10 @@ class DraftModelProposer:
             self._cached[slot] += len(feeds[a]) + len(drafted[a]) - 1  # the last draft token is not read
         q_all = None
         if q is not None:  # each drafted token's distribution, sequence by sequence, over the head's rows
-            q_all = torch.cat([q[a, : len(d)] for a, d in enumerate(drafted)])
+            if all(len(d) == q.shape[1] for d in drafted[:-1]):  # the rows already in order (one sequence: always)
+                q_all = q.view(-1, q.shape[2])[: sum(map(len, drafted))]
+            else:
+                q_all = torch.cat([q[a, : len(d)] for a, d in enumerate(drafted)])
         return DraftProposal(torch.tensor([t for d in drafts for t in d], dtype=torch.long), [len(d) for d in drafts], q_all,
                              probs_columns=self.head_columns if q_all is not None else None)
 
