@@ -87,18 +87,18 @@ def verify(
     draft_probs: Tensor | None,  # [num_draft_tokens, V] q, shaped by the same params; None = point masses
     sampling: BatchSampling,  # [batch]
     uniforms: Tensor,  # [num_draft_tokens + batch] float64 in [0, 1): per sequence K_i coins, then 1
-    draft_columns: Tensor | None = None,  # [V] int32: draft_probs is [num_draft_tokens, N], id v's q in column
-    # draft_columns[v] (-1: q is 0), a draft's truncated head (sampling.head_columns)
+    draft_columns: Tensor | None = None,  # [V] int32 (sampling.head_columns): draft_probs is then [num_draft_tokens, N]
 ) -> VerifyOutput:
     """Verify a ragged batch of draft chains against the target (see the module docstring).
 
     Row j of sequence i's target rows scores the token after draft token j - 1 (row 0: after the
     last committed token). ``draft_probs`` None means point-mass drafts (n-gram lookup): q(x) = 1
     for the proposed token. With ``draft_columns`` (a draft's truncated head) q is given over
-    the head's rows alone and is 0 for the ids it lacks. Vectorized over the batch: all-greedy batches need one argmax per
-    row (then a walk along lists); sampled ones shape p (one softmax per row), gather p(x) and
-    q(x) for every draft token at once and touch the whole vocabulary again only for the final
-    draw, once per sequence.
+    the head's rows alone and is 0 for the ids it lacks. Vectorized over the batch: all-greedy
+    batches need one argmax per row (then a walk along lists); sampled ones shape p (one softmax
+    per row), gather p(x) and q(x) for every draft token at once and touch the whole vocabulary
+    again only for the final draw, once per sequence. On the CPU the kernels run the same rule
+    (``_native``), shaping a row only once the drafts before it were accepted.
     """
     if min(num_draft_tokens, default=0) < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")

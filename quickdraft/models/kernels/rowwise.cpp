@@ -220,7 +220,8 @@ torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms) {
 // when it is read: row j of a sequence becomes p_j (softmax_rows' shaping) only if its drafts
 // before j were accepted, so a chain rejected early shapes two rows, not K + 1.
 //   logits [R, V] float32 or bfloat16, sequence b's K_b + 1 rows after the ones before it;
-//   q [D, V] float32, the draft's distributions (None: point masses, q(x) = 1); drafts [D] int64;
+//   q [D, V] float32, the draft's distributions (None: point masses, q(x) = 1), or [D, Q] over a
+//   truncated head's rows with q_columns (below); drafts [D] int64;
 //   num_draft [B] the K_b; temperature, top_k, top_p, min_p [B]; uniforms [R] float64, laid out
 //   like the rows (K_b coins, then the final draw's).
 // A sampled sequence accepts x_j while u_j < p_j(x_j) / q_j(x_j) (in float64), then draws its last
