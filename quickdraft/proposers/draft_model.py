@@ -164,10 +164,16 @@ class DraftModelProposer:
         if sampled:
             generators = [seqs[i].generator for i in active]
             states = [g.get_state() for g in generators] if self.threshold > 0 else None
-            uniforms = torch.zeros(len(active), max(ks), dtype=torch.float64)
-            for a, (g, k) in enumerate(zip(generators, ks)):
-                for j in range(k):
-                    uniforms[a, j] = draw_uniforms(g, 1)[0]
+            # a generator's k uniforms in one draw: the values of k single draws (torch's CPU
+            # generator fills a float64 tensor one 64-bit number after another; the native chains
+            # against the Python loop in tests/models/test_native_chains.py hold it to that)
+            rows = [draw_uniforms(g, k).cpu() for g, k in zip(generators, ks)]
+            if len(rows) == 1:
+                uniforms = rows[0].view(1, -1)
+            else:
+                uniforms = torch.zeros(len(active), max(ks), dtype=torch.float64)
+                for a, row in enumerate(rows):
+                    uniforms[a, : len(row)] = row
             temps = [float(seqs[i].params.temperature) for i in active]
             filters = ([int(seqs[i].params.top_k) for i in active], [float(seqs[i].params.top_p) for i in active],
                        [float(seqs[i].params.min_p) for i in active])
@@ -177,8 +183,8 @@ class DraftModelProposer:
             for a, (g, state) in enumerate(zip(generators, states)):
                 if len(drafted[a]) < ks[a]:
                     g.set_state(state)
-                    for _ in drafted[a]:
-                        draw_uniforms(g, 1)
+                    if drafted[a]:
+                        draw_uniforms(g, len(drafted[a]))
         if self.cost is not None:  # pass 0 read the feeds; each later pass one token of each chain still drafting
             ctx, rows = list(cached), [len(f) for f in feeds]
             for p, spent in enumerate(seconds):
