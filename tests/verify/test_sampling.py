@@ -179,5 +179,17 @@ def test_the_kernels_rule_emits_the_torch_paths_tokens(monkeypatch, dtype, kind)
         if ids is not None:
             spread = verify(drafts, ks, logits, q, batch, uniforms)
             assert native.token_ids == spread.token_ids and native.num_accepted == spread.num_accepted, trial
+        # each sequence alone, as a single request's steps verify it: its rows prepared two at a time
+        # on two threads (verify_chains' verify_one), the row after a draft beside the draft's own
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            for i, k in enumerate(ks):
+                d0, r0 = sum(ks[:i]), sum(ks[:i]) + i
+                alone = verify(drafts[d0 : d0 + k], [k], logits[r0 : r0 + k + 1], None if given is None else given[d0 : d0 + k],
+                               BatchSampling.from_params([params[i]]), uniforms[r0 : r0 + k + 1], args[6])
+                assert (alone.token_ids[0], alone.num_accepted[0]) == (native.token_ids[i], native.num_accepted[i]), (trial, i)
+        finally:
+            torch.set_num_threads(threads)
         seen.update((n > 0, n < k) for n, k in zip(native.num_accepted, ks) if k)
     assert seen == {(False, True), (True, True), (True, False)}  # rejected first, part accepted, all accepted

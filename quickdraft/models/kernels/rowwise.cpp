@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <omp.h>
 
 #include "rowwise.h"
 
@@ -217,8 +218,9 @@ torch::Tensor sample_probs(torch::Tensor probs, torch::Tensor uniforms) {
 
 // Speculative sampling's rule for a batch of draft chains (verify/rejection.py: what _sampled_step
 // and _greedy_step give, token for token), a sequence at a time, each target row shaped only
-// when it is read: row j of a sequence becomes p_j (softmax_rows' shaping) only if its drafts
-// before j were accepted, so a chain rejected early shapes two rows, not K + 1.
+// when it may be read: row j of a sequence becomes p_j (softmax_rows' shaping) only if its
+// drafts before j were accepted, or beside row j - 1 on a second thread (verify_one, below), so a
+// chain rejected early shapes one or two rows, not K + 1.
 //   logits [R, V] float32 or bfloat16, sequence b's K_b + 1 rows after the ones before it;
 //   q [D, V] float32, the draft's distributions (None: point masses, q(x) = 1), or [D, Q] over a
 //   truncated head's rows with q_columns (below); drafts [D] int64;
@@ -292,9 +294,13 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10
   const double* u = uniforms.data_ptr<double>();
   const bool f32 = logits.scalar_type() == torch::kFloat32;
   const void* base = logits.data_ptr();
-#pragma omp parallel for schedule(dynamic) if (B > 1)
-  for (int64_t b = 0; b < B; ++b) {
-    thread_local std::vector<float> p, residual;
+  // One sequence's chain. Its rows are prepared (shaped, or for a temperature alone their e values
+  // and sum) `width` at a time: one, or two at once on two threads where one sequence is verified
+  // and two threads are there, so that the row after a draft is ready when that draft is accepted
+  // (its work is lost only where the draft is rejected, on a thread that would have waited). Each
+  // row's values are computed as on one thread, so the tokens are the same either way.
+  const auto verify_one = [&](int64_t b, int width) {
+    thread_local std::vector<float> buffers[2], residual;
     const auto run = [&](const auto* rows) {
       const auto row = [&](int64_t j) { return rows + (row0[b] + j) * V; };
       const int64_t K = num_draft[b];
@@ -306,56 +312,69 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10
       }
       qd::Filters f;
       f.top_k = top_k.data_ptr<int64_t>()[b], f.top_p = top_p.data_ptr<float>()[b], f.min_p = min_p.data_ptr<float>()[b];
-      p.resize(V);
       // a row with a temperature alone is tested on its e values: p(x) is e(x) over their sum, the
-      // bits of softmax_row's division, and only a row that rejects is divided whole
+      // bits of softmax_row's division, and only a row that rejects (or the bonus row) is divided
+      // whole; a filtered row is shaped whole (shaped_row) and its sum left at 1
       const bool filtered = f.any(V);
-      float total = 1.0f;
-      for (; n < K; ++n) {
-        if (filtered) {
-          qd::shaped_row(row(n), V, tp[b], f, p.data());
-        } else {
-          total = qd::softmax_exps(row(n), V, tp[b], p.data());
-        }
-        const int64_t token = x[draft0[b] + n];
-        const double qx = q_at(draft0[b] + n, token);
-        if (!(u[row0[b] + n] < static_cast<double>(filtered ? p[token] : p[token] / total) / qx)) {
-          if (!filtered) qd::divide_row(p.data(), V, total);
-          break;
-        }
-      }
+      float* p[2];
+      float total[2] = {1.0f, 1.0f};
+      for (int j = 0; j < width; ++j) buffers[j].resize(V), p[j] = buffers[j].data();
       const double coin = u[row0[b] + K];
-      acc[b] = n;
-      if (n == K) {  // the bonus token, from p_K
-        qd::shaped_row(row(K), V, tp[b], f, p.data());
-        fin[b] = qd::sample_row(p.data(), V, coin);
-        return;
-      }
-      residual.resize(V);  // max(0, p_n - q_n), q_n a point mass at x_n where no q is given
-      const float* qrow = qp ? qp + (draft0[b] + n) * Q : nullptr;
-      const int64_t token = x[draft0[b] + n];
-      if (columns == nullptr) {
-        for (int64_t v = 0; v < V; ++v) {
-          const float qv = qrow ? qrow[v] : (v == token ? 1.0f : 0.0f);
-          residual[v] = std::max(p[v] - qv, 0.0f);
+      for (;;) {
+        const int64_t now = std::min<int64_t>(width, K + 1 - n);  // rows n.., row K being the bonus token's
+#pragma omp parallel for num_threads(2) schedule(static, 1) if (now > 1)
+        for (int64_t j = 0; j < now; ++j) {
+          if (filtered) {
+            qd::shaped_row(row(n + j), V, tp[b], f, p[j]);
+          } else {
+            total[j] = qd::softmax_exps(row(n + j), V, tp[b], p[j]);
+          }
         }
-      } else {  // q_v is column c's, or +0 where c is -1: masked bits, not a branch (the head's ids
-        // fall anywhere in the vocabulary, and a branch on them took 0.7 ms a row, mispredicted)
-        for (int64_t v = 0; v < V; ++v) {
-          const int32_t c = std::min(columns[v], last);
-          uint32_t bits;
-          std::memcpy(&bits, qrow + (c & ~(c >> 31)), sizeof bits);  // column 0 where c is -1
-          bits &= static_cast<uint32_t>(~(c >> 31));
-          float qv;
-          std::memcpy(&qv, &bits, sizeof qv);
-          residual[v] = std::max(p[v] - qv, 0.0f);
+        for (int64_t j = 0; j < now; ++j, ++n) {
+          float* pn = p[j];
+          const bool bonus = n == K;  // every draft accepted: the bonus token, from p_K
+          const int64_t token = bonus ? 0 : x[draft0[b] + n];
+          if (!bonus && u[row0[b] + n] < static_cast<double>(filtered ? pn[token] : pn[token] / total[j]) / q_at(draft0[b] + n, token))
+            continue;  // accepted
+          if (!filtered) qd::divide_row(pn, V, total[j]);
+          acc[b] = n;
+          if (bonus) {
+            fin[b] = qd::sample_row(pn, V, coin);
+            return;
+          }
+          residual.resize(V);  // max(0, p_n - q_n), q_n a point mass at x_n where no q is given
+          const float* qrow = qp ? qp + (draft0[b] + n) * Q : nullptr;
+          if (columns == nullptr) {
+            for (int64_t v = 0; v < V; ++v) {
+              const float qv = qrow ? qrow[v] : (v == token ? 1.0f : 0.0f);
+              residual[v] = std::max(pn[v] - qv, 0.0f);
+            }
+          } else {  // q_v is column c's, or +0 where c is -1: masked bits, not a branch (the head's ids
+            // fall anywhere in the vocabulary, and a branch on them took 0.7 ms a row, mispredicted)
+            for (int64_t v = 0; v < V; ++v) {
+              const int32_t c = std::min(columns[v], last);
+              uint32_t bits;
+              std::memcpy(&bits, qrow + (c & ~(c >> 31)), sizeof bits);  // column 0 where c is -1
+              bits &= static_cast<uint32_t>(~(c >> 31));
+              float qv;
+              std::memcpy(&qv, &bits, sizeof qv);
+              residual[v] = std::max(pn[v] - qv, 0.0f);
+            }
+          }
+          bool mass = false;
+          for (int64_t v = 0; v < V && !mass; ++v) mass = residual[v] > 0.0f;
+          fin[b] = qd::sample_row(mass ? residual.data() : pn, V, coin);
+          return;
         }
       }
-      bool mass = false;
-      for (int64_t v = 0; v < V && !mass; ++v) mass = residual[v] > 0.0f;
-      fin[b] = qd::sample_row(mass ? residual.data() : p.data(), V, coin);
     };
     f32 ? run(static_cast<const float*>(base)) : run(static_cast<const uint16_t*>(base));
+  };
+  if (B == 1) {
+    verify_one(0, omp_get_max_threads() > 1 ? 2 : 1);
+  } else {
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t b = 0; b < B; ++b) verify_one(b, 1);
   }
   return {accepted, final};
 }
