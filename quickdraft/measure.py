@@ -16,6 +16,7 @@ import os
 import platform
 import threading
 import time
+from pathlib import Path
 
 
 def summarize(out, spec) -> dict:
@@ -288,11 +289,34 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "memory_gib": None}
     try:
         info["memory_gib"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
-        info["l3_cache_mib"] = l3 / 2**20 if l3 > 0 else None
     except (ValueError, OSError, AttributeError):
         pass
+    llc = last_level_cache_bytes()
+    info["l3_cache_mib"] = llc / 2**20 if llc else None
     return info
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's last-level cache in bytes (cpu0's, from sysfs; glibc's sysconf where
+    there is none, which not every libc answers), or None where unknown."""
+    best = (0, 0)  # (level, bytes)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            size_bytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError):
+            continue
+        best = max(best, (level, size_bytes))
+    if best[1]:
+        return best[1]
+    try:
+        size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return size if size > 0 else None
 
 
 def versions() -> dict:

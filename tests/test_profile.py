@@ -58,6 +58,26 @@ def test_profile_splits_the_draft_pass_too(capsys):
         assert "draft greedy chains of 2 passes in one native call: " in out
 
 
+@pytest.mark.parametrize("cache_mib, noted", [(300, ["draft"]), (32, []), (None, [])])
+def test_a_model_the_cache_can_hold_is_noted(cache_mib, noted):
+    """A model whose weights are under twice the last-level cache may be read partly from it, past
+    100% of the memory's floor: the text says so, for that model alone."""
+    from quickdraft.commands.profile import _split_lines
+
+    def one_pass(weight_mib):
+        return {"context": 256, "bandwidth_gb_per_s": 30.0, "total_ms": 5.0, "floor_ms": 4.0, "floor_share": 0.8,
+                "matrices_ms": 4.0, "layers_floor_ms": 3.0, "matrices_share": 0.75, "attention_ms": 0.3,
+                "other_layer_ms": 0.2, "outside_layers_ms": 0.1, "head_ms": 0.4, "head_floor_ms": 0.3, "head_share": 0.75,
+                "layer_weight_bytes": (weight_mib - 50) << 20, "head_weight_bytes": 50 << 20}
+
+    engine = {"steps": 32, "temperature": 0.0, "step_ms": 50.0, "models_ms": 49.0, "engine_ms": 1.0, "phases_ms": {}}
+    split = {"target": one_pass(951), "draft": one_pass(235), "engine": engine,
+             "last_level_cache_bytes": None if cache_mib is None else cache_mib << 20}
+    notes = [line for line in _split_lines(split) if line.startswith("note:")]
+    assert [line.split()[2].removesuffix("'s") for line in notes] == noted
+    assert all("(235 MiB)" in line and f"({cache_mib} MiB)" in line for line in notes)
+
+
 def test_profile_needs_a_method(capsys):
     assert main(["profile", "--model", "smollm2-135m-instruct"]) == 2
     assert "needs --speculative-config" in capsys.readouterr().err
