@@ -170,7 +170,8 @@ def test_the_kernels_rule_emits_the_torch_paths_tokens(monkeypatch, dtype, kind)
         drafts = sampling.sample_from_probs(q, torch.rand(q.shape[0], generator=gen, dtype=torch.float64))
         uniforms = torch.rand(sum(ks) + len(ks), generator=gen, dtype=torch.float64)
         given = None if kind == "point-masses" else q if ids is None else q[:, ids].contiguous()
-        args = (drafts, ks, logits, given, batch, uniforms, None if ids is None else sampling.head_columns(ids, vocab))
+        columns = None if ids is None else sampling.head_columns(ids, vocab)
+        args = (drafts, ks, logits, given, batch, uniforms, columns)
         native = verify(*args)
         with monkeypatch.context() as m:
             m.setattr(sampling, "row_kernels", lambda x: None)
@@ -187,7 +188,7 @@ def test_the_kernels_rule_emits_the_torch_paths_tokens(monkeypatch, dtype, kind)
             for i, k in enumerate(ks):
                 d0, r0 = sum(ks[:i]), sum(ks[:i]) + i
                 alone = verify(drafts[d0 : d0 + k], [k], logits[r0 : r0 + k + 1], None if given is None else given[d0 : d0 + k],
-                               BatchSampling.from_params([params[i]]), uniforms[r0 : r0 + k + 1], args[6])
+                               BatchSampling.from_params([params[i]]), uniforms[r0 : r0 + k + 1], columns)
                 assert (alone.token_ids[0], alone.num_accepted[0]) == (native.token_ids[i], native.num_accepted[i]), (trial, i)
         finally:
             torch.set_num_threads(threads)
