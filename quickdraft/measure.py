@@ -299,13 +299,12 @@ def machine() -> dict:
 def last_level_cache_bytes() -> int | None:
     """The size of the CPU's last-level cache in bytes (cpu0's, from sysfs; glibc's sysconf where
     there is none, which not every libc answers), or None where unknown."""
-    best = (0, 0)  # (level, bytes)
+    best, units = (0, 0), {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # (level, bytes); sysfs writes "307200K"
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             if (index / "type").read_text().strip() == "Instruction":
                 continue
             level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
-            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
             size_bytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
         except (OSError, ValueError):
             continue

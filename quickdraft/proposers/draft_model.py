@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from quickdraft.cost import calibrate, key_reads
 from quickdraft.kv_cache import KVCache
@@ -167,13 +168,7 @@ class DraftModelProposer:
             # a generator's k uniforms in one draw: the values of k single draws (torch's CPU
             # generator fills a float64 tensor one 64-bit number after another; the native chains
             # against the Python loop in tests/models/test_native_chains.py hold it to that)
-            rows = [draw_uniforms(g, k).cpu() for g, k in zip(generators, ks)]
-            if len(rows) == 1:
-                uniforms = rows[0].view(1, -1)
-            else:
-                uniforms = torch.zeros(len(active), max(ks), dtype=torch.float64)
-                for a, row in enumerate(rows):
-                    uniforms[a, : len(row)] = row
+            uniforms = pad_sequence([draw_uniforms(g, k).cpu() for g, k in zip(generators, ks)], batch_first=True)
             temps = [float(seqs[i].params.temperature) for i in active]
             filters = ([int(seqs[i].params.top_k) for i in active], [float(seqs[i].params.top_p) for i in active],
                        [float(seqs[i].params.min_p) for i in active])
