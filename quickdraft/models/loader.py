@@ -30,14 +30,16 @@ from quickdraft.models.config import ModelConfig
 from quickdraft.models.ggml import BlockWeight, requantize_wider
 from quickdraft.models.kernels import block_linear
 from quickdraft.models.memory import into_huge_pages, read_safetensors
+from quickdraft.models.rope import RopeScaling
 from quickdraft.models.tokenizer import Tokenizer
 
 # Bump when the conversion itself changes (names, unpermute, tokenizer building), so that old
 # cache entries are not read as if they were produced by the new code. 2: GGUF blocks in tiles of
 # 16 weight rows (models/ggml.py). 3: tokenizer.json keeps the tokenizers document as a string
 # (Tokenizer.to_json), which version 2's code cannot read: a cache shared by two versions keeps
-# an entry for each.
-CONVERTER_VERSION = 3
+# an entry for each. 4: the families (families.py): Gemma's norms in float32, rope_freqs read into
+# the config.
+CONVERTER_VERSION = 4
 _SAMPLE = 1 << 20  # bytes hashed at the start, middle and end of a file for its fingerprint
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -211,7 +213,13 @@ def _read_cached(out: Path, weights_file: Path):
 
 
 def _config_fields(d: dict) -> dict:
-    d["eos_token_ids"] = tuple(d["eos_token_ids"])  # JSON has lists; ModelConfig is hashable
+    """ModelConfig's fields from its JSON (dataclasses.asdict): lists back to tuples, rotary
+    scalings back to RopeScaling, so that the config is the one the conversion read, and hashable."""
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    d["layer_types"] = tuple(d["layer_types"])
+    for key in ("rope_scaling", "local_rope_scaling"):
+        if d[key] is not None:
+            d[key] = RopeScaling(**(d[key] | {"freq_factors": tuple(d[key]["freq_factors"])}))
     return d
 
 

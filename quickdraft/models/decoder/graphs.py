@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder.metadata import AttentionMetadata
-from quickdraft.models.decoder.ops import linear, rms_norm
+from quickdraft.models.config import EMBED_SCALE
+from quickdraft.models.decoder.ops import rms_norm
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPH_ROWS = 16  # new tokens a sequence brings to a graphed pass (a verification's K + 1)
@@ -60,12 +61,23 @@ def static_pass(model, kv: KVCache, tokens: torch.Tensor, positions: torch.Tenso
     row_slots = slots.view(b, 1).expand(b, q).reshape(n)
     # what each row may see, once a pass: [b, 1, group * q, L], row (g, j) of a kv head's queries
     # sees the keys up to its token's position
-    seen = torch.arange(num_keys, device=tokens.device).view(1, num_keys) <= positions.view(n, 1)  # [n, L]
-    seen = seen.view(b, 1, 1, q, num_keys).expand(b, 1, group, q, num_keys).reshape(b, 1, group * q, num_keys)
-    angles = model.rotary.angles(positions)
+    keys_at = torch.arange(num_keys, device=tokens.device).view(1, num_keys)
+    masks = {}  # by window (0: none): [b, 1, group * q, L], row (g, j) of a kv head's queries sees its keys
+
+    def seen(window: int) -> torch.Tensor:
+        if window not in masks:
+            m = keys_at <= positions.view(n, 1)  # [n, L]
+            if window:
+                m = m & (keys_at > positions.view(n, 1) - window)
+            masks[window] = m.view(b, 1, 1, q, num_keys).expand(b, 1, group, q, num_keys).reshape(b, 1, group * q, num_keys)
+        return masks[window]
+
+    angles = {id(r): r.angles(positions) for r in model.rotaries}  # each distinct table's, once a pass
     x = w["model.embed_tokens.weight"][tokens]
+    if c.family.embed_scale:
+        x = x * w[EMBED_SCALE]
     for layer in range(layers):
-        qs, k, v = model._qkv(layer, x, positions, angles)
+        qs, k, v = model._qkv(layer, x, positions, angles[id(model.rotaries[layer])])
         kv.keys[layer][row_slots, :, positions] = k
         kv.values[layer][row_slots, :, positions] = v
         keys = kv.keys[layer][:, :, :num_keys].index_select(0, slots).float()  # [b, kv_heads, L, d]
@@ -74,10 +86,10 @@ def static_pass(model, kv: KVCache, tokens: torch.Tensor, positions: torch.Tenso
         # as the eager path's attention
         qs = qs.float().view(b, q, c.num_kv_heads, group, c.head_dim).permute(0, 2, 3, 1, 4)
         o = F.scaled_dot_product_attention(qs.reshape(b, c.num_kv_heads, group * q, c.head_dim), keys, values,
-                                           attn_mask=seen, scale=model.scale)
+                                           attn_mask=seen(c.window(layer)), scale=model.scale)
         o = o.view(b, c.num_kv_heads, group, q, c.head_dim).permute(0, 3, 1, 2, 4)
         o = o.reshape(n, c.num_heads * c.head_dim).to(x.dtype)
-        x = x + linear(o, w[f"model.layers.{layer}.self_attn.o_proj.weight"])
+        x = model._attention_output(layer, x, o)
         x = model._mlp_sublayer(layer, x)
     return rms_norm(x, w["model.norm.weight"], c.rms_norm_eps)
 

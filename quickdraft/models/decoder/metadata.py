@@ -61,3 +61,13 @@ def attention_mask(meta: AttentionMetadata, i: int, ctx: int, qlen: int, device)
         new = torch.ones(qlen, qlen, dtype=torch.bool, device=device).tril()
     shared = ctx + qlen - new.shape[1]
     return torch.cat([torch.ones(qlen, shared, dtype=torch.bool, device=device), new.to(device)], dim=1)
+
+
+def windowed_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [rows, L] (a row's visible keys lie at consecutive positions, its own last) with
+    each row's visible keys cut to its last ``window`` (0: all): a sliding window, as
+    kernels/attention.h's ``windowed``."""
+    if not window:
+        return mask
+    seen_after = mask.flip(1).cumsum(1).flip(1)  # visible keys at or after each column
+    return mask & (seen_after <= window)

@@ -1,7 +1,9 @@
-"""The decoder-only transformer of the llama / qwen2 family, written for verification passes.
+"""The decoder-only transformer of the Llama, Mistral, Qwen2, Qwen3 and Gemma 3 families, written
+for verification passes.
 
-Llama (Touvron et al. 2023) and Qwen2 (Yang et al. 2024) share one block: RMSNorm, rotary
-position embeddings, grouped-query attention, a SwiGLU MLP; Qwen2 adds biases on q, k and v.
+Llama (Touvron et al. 2023) and its kin share one block: RMSNorm, rotary position embeddings,
+grouped-query attention, a gated MLP; what each family adds (biases, q/k norms, sandwich norms,
+GELU, sliding windows, scaled embeddings) is described once in models/families.py.
 ``forward`` takes a *ragged batch*: the new tokens of several sequences concatenated, each sequence
 with its own KV-cache slot, its own number of tokens already cached, and an optional mask among
 its new tokens (a causal chain by default, a token tree for tree verification). It returns hidden
@@ -23,7 +25,7 @@ from collections.abc import Collection
 import torch
 
 from quickdraft.kv_cache import KVCache
-from quickdraft.models.config import ModelConfig
+from quickdraft.models.config import EMBED_SCALE, ModelConfig
 from quickdraft.models.decoder.graphs import CudaGraphs
 from quickdraft.models.decoder.metadata import AttentionMetadata, pass_trees
 from quickdraft.models.decoder.native import NativeLayers
@@ -49,7 +51,9 @@ class Decoder(ReferenceLayers):
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.config = config
-        norm = weights["model.norm.weight"]  # the embedding may be a BlockWeight: the norm has the dtype
+        # the activations' dtype: the norm's (the embedding may be a BlockWeight), or for Gemma, whose
+        # norms are float32 (families.py's unit offset), its embedding scale's
+        norm = weights[EMBED_SCALE if config.family.embed_scale else "model.norm.weight"]
         self.device = norm.device
         self.dtype = norm.dtype
         embed = weights["model.embed_tokens.weight"]
@@ -64,8 +68,12 @@ class Decoder(ReferenceLayers):
         elif quantize is not None:
             raise ValueError(f"unknown quantization {quantize!r}; supported: int8")
         self.w = weights
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings, self.device)
-        self.scale = config.head_dim**-0.5
+        tables: dict = {}  # one Rotary for each distinct Rope (Gemma 3: its global and its sliding layers')
+        for rope in map(config.rope, range(config.num_layers)):
+            if rope not in tables:
+                tables[rope] = Rotary(config.head_dim, rope, config.max_position_embeddings, self.device)
+        self.rotaries = [tables[config.rope(layer)] for layer in range(config.num_layers)]  # each layer's
+        self.scale = config.attention_scale
         self.native = NativeLayers.of(self)  # None where the kernels do not run the layers
         dense = all(isinstance(t, torch.Tensor) for t in self.w.values())
         self.graphs = CudaGraphs(self) if cuda_graphs and dense and self.device.type == "cuda" else None
@@ -124,6 +132,8 @@ class Decoder(ReferenceLayers):
             x = self._embed_blocks(embed, tokens)  # [num_tokens, hidden]
         else:
             x = embed[tokens]  # [num_tokens, hidden]
+        if self.config.family.embed_scale:
+            x = x * self.w[EMBED_SCALE]  # Gemma: times sqrt(hidden) of the dtype, rounded to it
         missing = [i for i in capture if not 0 <= i < layers]
         if missing:
             raise ValueError(f"cannot capture the states entering layers {missing}: the pass ran {layers} layers")

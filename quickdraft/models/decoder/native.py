@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from quickdraft.kv_cache import KVCache
+from quickdraft.models.config import EMBED_SCALE
 from quickdraft.models.decoder.metadata import AttentionMetadata
 from quickdraft.models.ggml import LANES, BlockWeight
 from quickdraft.models.kernels import fused_layer, native_decoder
@@ -33,17 +34,21 @@ class NativeLayers:
     and final norm in one call; False runs one call a layer from Python (how it ran before, kept to
     measure one against the other)."""
 
-    def __init__(self, decoder, layers: list[tuple[list, list, list]]):
+    def __init__(self, decoder, layers: list[tuple[list, list, list, list]]):
         c = decoder.config
         self.config = c
-        self.layers = layers  # per layer: (weights [9], kinds [7], biases [3])
-        self.rotary = decoder.rotary
+        self.layers = layers  # per layer: (weights [9], kinds [7], biases [3], norms [4]: kernels/layer.h's LayerSpec's)
+        self.rotaries = decoder.rotaries
         self.scale = decoder.scale
         self.one_call = True
+        tables = list({id(r): r for r in self.rotaries}.values())  # each distinct table once
+        embed_scale = float(decoder.w[EMBED_SCALE]) if c.family.embed_scale else 0.0
         self._model = native_decoder()(  # kernels/forward.cpp's NativeDecoder: the lists flattened layer by layer
-            [w for weights, _, _ in layers for w in weights], [k for _, kinds, _ in layers for k in kinds],
-            [b for _, _, biases in layers for b in biases], decoder.w["model.norm.weight"], self.rotary.cos, self.rotary.sin,
-            c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
+            [w for weights, _, _, _ in layers for w in weights], [k for _, kinds, _, _ in layers for k in kinds],
+            [b for _, _, biases, _ in layers for b in biases], [n for _, _, _, norms in layers for n in norms],
+            [t.cos for t in tables], [t.sin for t in tables], [tables.index(r) for r in self.rotaries],
+            [c.window(layer) for layer in range(c.num_layers)], c.family.activation, embed_scale,
+            decoder.w["model.norm.weight"], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
 
     @classmethod
     def of(cls, decoder) -> "NativeLayers | None":
@@ -71,12 +76,17 @@ class NativeLayers:
                     return None
             data = [w.data if isinstance(w, BlockWeight) else w
                     for w in (decoder.w[p + n + ".weight"] for n in PROJECTIONS)]
-            weights = [decoder.w[p + "input_layernorm.weight"], *data[:4], decoder.w[p + "post_attention_layernorm.weight"], *data[4:]]
+            f = decoder.config.family
+            weights = [decoder.w[p + "input_layernorm.weight"], *data[:4], decoder.w[p + f.mlp_norm + ".weight"], *data[4:]]
+            # LayerSpec's q, k, attention-output and MLP-output norms, where the family has them
+            norms = [decoder.w.get(p + n + ".weight") for n in ("self_attn.q_norm", "self_attn.k_norm")] if f.qk_norm else [None, None]
+            norms += ([decoder.w[p + n + ".weight"] for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
+                      if f.sandwich_norms else [None, None])
             # biases as the kernels read them, float32 (the same values: a bfloat16 converts exactly):
             # converted once here, not at every call (~30 us a layer at one row, kernels/blocks.cpp)
             biases = [b.float().contiguous() if b is not None else None
                       for b in (decoder.w.get(p + n + ".bias") for n in PROJECTIONS[:3])]
-            layers.append((weights, kinds, biases))
+            layers.append((weights, kinds, biases, norms))
         return cls(decoder, layers)
 
     def set_head(self, decoder, head_ids: torch.Tensor | None) -> bool:
@@ -129,8 +139,8 @@ class NativeLayers:
     def layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
               trees) -> torch.Tensor:
         """x after one layer, in one call (reference.py's _block with both sublayers)."""
-        weights, kinds, biases = self.layers[layer]
-        c = self.config
-        return fused_layer()(x, positions, weights, kinds, biases, self.rotary.cos, self.rotary.sin,
-                             kv.keys[layer], kv.values[layer], meta.slots, meta.context_lens, meta.query_lens,
+        weights, kinds, biases, norms = self.layers[layer]
+        c, rotary = self.config, self.rotaries[layer]
+        return fused_layer()(x, positions, weights, kinds, biases, norms, rotary.cos, rotary.sin, c.window(layer),
+                             c.family.activation, kv.keys[layer], kv.values[layer], meta.slots, meta.context_lens, meta.query_lens,
                              *trees, c.num_heads, c.num_kv_heads, c.rms_norm_eps, self.scale)

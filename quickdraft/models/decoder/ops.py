@@ -16,9 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quickdraft.models.families import SILU
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.kernels import dense_linear, rowwise
 from quickdraft.models.quant import Int8Weight
+from quickdraft.models.rope import Rope, rotary_tables
 
 ROW_MULTIPLE = 4
 
@@ -62,39 +64,47 @@ def nbytes(w) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [n, hidden]: normalized in float32, returned in x's dtype (as Hugging Face's LlamaRMSNorm);
-    on the CPU in one call (kernels/rowwise.cpp)."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16):
+    """x [n, hidden]: normalized in float32, returned in x's dtype. With a weight of x's dtype as
+    Hugging Face's LlamaRMSNorm (rounded, then times the weight); with a float32 weight as Gemma's
+    (times the weight in float32, rounded once: models/families.py's unit offset). On the CPU in one
+    call (kernels/rowwise.cpp)."""
+    gemma = weight.dtype != x.dtype
+    if gemma and weight.dtype != torch.float32:
+        raise ValueError(f"a norm's weight of {weight.dtype} for {x.dtype} rows: of their dtype or float32")
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
         kernels = rowwise()
         if kernels is not None:
             return kernels.rms_norm(x, weight, eps)
     if x.device.type != "cpu":  # one fused kernel on a GPU instead of five
-        return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
+    else:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight).to(x.dtype) if gemma else weight * normed.to(x.dtype)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU MLP's silu(gate) * up, each step rounded to the dtype; on the CPU in one call
-    (kernels/rowwise.h, with its own exponent: the same bits on every instruction set, which
-    torch's SiLU does not promise), elsewhere torch's."""
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: int = SILU) -> torch.Tensor:
+    """The gated MLP's act(gate) * up (SwiGLU's SiLU, or Gemma's GELU with the tanh approximation:
+    families.py), each step rounded to the dtype; on the CPU in one call (kernels/rowwise.h, with
+    its own exponent: the same bits on every instruction set, which torch's SiLU and tanh do not
+    promise), elsewhere torch's."""
     if gate.device.type == "cpu" and gate.dtype in (torch.float32, torch.bfloat16) and up.dtype == gate.dtype:
         kernels = rowwise()
         if kernels is not None:
-            return kernels.silu_mul(gate, up)
-    return F.silu(gate) * up
+            return kernels.act_mul(gate, up, activation)
+    return (F.silu(gate) if activation == SILU else F.gelu(gate, approximate="tanh")) * up
 
 
 class Rotary:
-    """Rotary position embedding (Su et al. 2021) in the rotate-half layout of Hugging Face."""
+    """Rotary position embedding (Su et al. 2021) in the rotate-half layout of Hugging Face, with
+    the tables of models/rope.py (its scaling and attention factor folded in)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
-        self.cos = angles.cos().float().to(device)
-        self.sin = angles.sin().float().to(device)
+    def __init__(self, head_dim: int, theta: float | Rope, max_positions: int, device):
+        """``theta``: the base of plain RoPE, or a Rope (scaling, partial rotary)."""
+        rope = theta if isinstance(theta, Rope) else Rope(float(theta))
+        cos, sin = rotary_tables(rope, head_dim, max_positions)  # [max_positions, head_dim] float32
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n, 1, head_dim] at ``positions`` [n]."""

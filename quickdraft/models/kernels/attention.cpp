@@ -44,18 +44,19 @@ torch::Tensor output_for(const torch::Tensor& q) {
 }  // namespace
 
 // q [m, H, d] float32; keys, values [Hkv, >= ctx + m, d] (float32 or bfloat16, rows contiguous);
-// row j attends over keys 0..ctx+j -> out [m, H * d] float32 (written in place: forward.cpp's workspace)
+// row j attends over keys 0..ctx+j (the last `window` of them where window > 0: a sliding window)
+// -> out [m, H * d] float32 (written in place: forward.cpp's workspace)
 void attend_chain_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx, double scale,
-                       const torch::Tensor& out) {
+                       const torch::Tensor& out, int64_t window) {
   const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
   with_dtype(q, keys, values, out, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
-    qd::attend_chain(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, static_cast<float>(scale));
+    qd::attend_chain(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, static_cast<float>(scale), window);
   });
 }
 
-torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale) {
+torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale, int64_t window) {
   auto out = output_for(q);
-  attend_chain_into(q, keys, values, ctx, scale, out);
+  attend_chain_into(q, keys, values, ctx, scale, out, window);
   return out;
 }
 
@@ -66,7 +67,7 @@ torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor va
 // where the tree is all new; row 0's path ends at itself, hidden + 0, which gives hidden)
 // -> out [m, H * d] float32, each row with the bits attend_chain gives the same history laid out as a chain
 void attend_tree_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx,
-                      const torch::Tensor& start, const torch::Tensor& path, double scale, const torch::Tensor& out) {
+                      const torch::Tensor& start, const torch::Tensor& path, double scale, const torch::Tensor& out, int64_t window) {
   const auto [m, H, d, Hkv] = check(q, keys, values, ctx);
   TORCH_CHECK(start.scalar_type() == torch::kInt64 && start.dim() == 1 && start.size(0) == m + 1, "start [m + 1] int64");
   TORCH_CHECK(path.scalar_type() == torch::kInt64 && path.dim() == 1, "path int64");
@@ -83,13 +84,13 @@ void attend_tree_into(const torch::Tensor& q, const torch::Tensor& keys, const t
     TORCH_CHECK(a[s[j + 1] - 1] == hidden + j, "row ", j, "'s path ends at itself");
   }
   with_dtype(q, keys, values, out, [&](const float* Q, auto K, auto V, int64_t hs, int64_t ks, float* O) {
-    qd::attend_tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, hidden, s, a, static_cast<float>(scale));
+    qd::attend_tree(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, hidden, s, a, static_cast<float>(scale), window);
   });
 }
 
 torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
-                          torch::Tensor path, double scale) {
+                          torch::Tensor path, double scale, int64_t window) {
   auto out = output_for(q);
-  attend_tree_into(q, keys, values, ctx, start, path, scale, out);
+  attend_tree_into(q, keys, values, ctx, start, path, scale, out, window);
   return out;
 }

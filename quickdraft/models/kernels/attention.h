@@ -207,24 +207,37 @@ void attend_rows(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks,
   }
 }
 
-// a chain: row j over keys 0..ctx+j
+// the keys a row sees under a sliding window of `window` positions (0: none) when it sees `len` in
+// position order: the last min(len, window) of them, as transformers' and llama.cpp's masks keep a
+// key at position p for a query at position t where t - p < window. The window only moves where a
+// row's keys start, so a row's bits stay those of a row with the same keys alone.
+inline int64_t windowed(int64_t len, int64_t window) { return window > 0 && len > window ? window : len; }
+
+// a chain: row j over keys 0..ctx+j (the last `window` of them where window > 0)
 template <typename T>
 void attend_chain(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H,
-                  int64_t Hkv, int64_t d, int64_t ctx, float scale) {
-  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return ctx + j + 1; },
-              [](int64_t, int64_t i) { return i; });
+                  int64_t Hkv, int64_t d, int64_t ctx, float scale, int64_t window = 0) {
+  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return windowed(ctx + j + 1, window); },
+              [=](int64_t j, int64_t i) { return ctx + j + 1 - windowed(ctx + j + 1, window) + i; });
 }
 
 // a tree: row j over keys 0..base-1, then base + path[start[j]] .. base + path[start[j + 1] - 1]
 // (its ancestors among the tree's keys past base and itself, root first); the new rows' own keys
 // are at ctx = base + hidden, after the hidden nodes an earlier pass wrote (a draft that grows its
 // tree a level a pass)
+// (a node's path holds its ancestors at consecutive positions, so the list is in position order
+// and the window drops its first keys, as for a chain)
 template <typename T>
 void attend_tree(const float* Q, const T* K, const T* V, int64_t hs, int64_t ks, float* O, int64_t m, int64_t H,
-                 int64_t Hkv, int64_t d, int64_t ctx, int64_t hidden, const int64_t* start, const int64_t* path, float scale) {
+                 int64_t Hkv, int64_t d, int64_t ctx, int64_t hidden, const int64_t* start, const int64_t* path, float scale,
+                 int64_t window = 0) {
   const int64_t base = ctx - hidden;
-  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return base + start[j + 1] - start[j]; },
-              [=](int64_t j, int64_t i) { return i < base ? i : base + path[start[j] + i - base]; });
+  const auto seen = [=](int64_t j) { return base + start[j + 1] - start[j]; };
+  attend_rows(Q, K, V, hs, ks, O, m, H, Hkv, d, ctx, scale, [=](int64_t j) { return windowed(seen(j), window); },
+              [=](int64_t j, int64_t i) {
+                const int64_t at = i + seen(j) - windowed(seen(j), window);
+                return at < base ? at : base + path[start[j] + at - base];
+              });
 }
 
 }  // namespace QD_ISA_NS

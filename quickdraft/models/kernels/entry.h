@@ -38,13 +38,14 @@ bool use_amx(bool on);
 int64_t amx_min_rows();
 
 // attention.cpp
-torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale);
+// window: a sliding window of that many positions (0: none), attention.h's windowed
+torch::Tensor attend_chain(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, double scale, int64_t window);
 torch::Tensor attend_tree(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t ctx, torch::Tensor start,
-                          torch::Tensor path, double scale);
+                          torch::Tensor path, double scale, int64_t window);
 void attend_chain_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx, double scale,
-                       const torch::Tensor& out);
+                       const torch::Tensor& out, int64_t window);
 void attend_tree_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx,
-                      const torch::Tensor& start, const torch::Tensor& path, double scale, const torch::Tensor& out);
+                      const torch::Tensor& start, const torch::Tensor& path, double scale, const torch::Tensor& out, int64_t window);
 
 // rowwise.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -55,6 +56,7 @@ void rotary_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::
 void add_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
 void mul_into(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+torch::Tensor act_mul(torch::Tensor gate, torch::Tensor up, int64_t act);
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
 void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
 std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x);
@@ -69,8 +71,8 @@ std::tuple<torch::Tensor, torch::Tensor> verify_chains(torch::Tensor logits, c10
 
 // layer.cpp
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
-                            std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
+                            std::vector<c10::optional<torch::Tensor>> biases, std::vector<c10::optional<torch::Tensor>> norms,
+                            torch::Tensor cos, torch::Tensor sin, int64_t window, int64_t act, torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
                             std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
                             std::vector<c10::optional<torch::Tensor>> tree_starts, std::vector<c10::optional<torch::Tensor>> tree_paths,
                             int64_t heads, int64_t kv_heads, double eps, double scale);

@@ -126,24 +126,34 @@ float prob_of(const T* x, int64_t n, int64_t token) {
 
 class NativeDecoder {
  public:
-  // w: per layer, input norm, q, k, v, o, post-attention norm, gate, up, down (9 a layer, layer by
+  // w: per layer, input norm, q, k, v, o, the MLP's input norm, gate, up, down (9 a layer, layer by
   // layer); kinds: per layer, the 7 projections' (DENSE or a block format); biases: per layer, q,
-  // k, v's (float32 as the kernels read them, or None); norm: the final norm's weight;
-  // cos, sin: the rotary tables [max_positions, head_dim] float32
+  // k, v's (float32 as the kernels read them, or None); norms: per layer, layer.h's LayerSpec's q,
+  // k, attention-output and MLP-output norms (4 a layer, each or None); cos, sin: rotary tables
+  // [max_positions, head_dim] float32, tables[l] the one of layer l; windows[l]: layer l's sliding
+  // window (0: none); act: rowwise.h's Activation; embed_scale: what chains() multiplies a token's
+  // embedding by, rounded to the model's dtype (0: nothing; Gemma's sqrt(hidden)); norm: the final
+  // norm's weight
   NativeDecoder(std::vector<torch::Tensor> w, std::vector<int64_t> kinds, std::vector<c10::optional<torch::Tensor>> biases,
-                torch::Tensor norm, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                double eps, double scale)
-      : w_(std::move(w)), kinds_(std::move(kinds)), biases_(std::move(biases)), norm_(std::move(norm)), cos_(std::move(cos)),
-        sin_(std::move(sin)), heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
+                std::vector<c10::optional<torch::Tensor>> norms, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+                std::vector<int64_t> tables, std::vector<int64_t> windows, int64_t act, double embed_scale, torch::Tensor norm,
+                int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : w_(std::move(w)), kinds_(std::move(kinds)), biases_(std::move(biases)), norm_(std::move(norm)), heads_(heads),
+        kv_heads_(kv_heads), d_(head_dim), eps_(eps), scale_(scale), embed_scale_(embed_scale) {
     layers_ = static_cast<int64_t>(kinds_.size() / 7);
-    TORCH_CHECK(layers_ > 0 && w_.size() == 9 * static_cast<size_t>(layers_) && kinds_.size() == 7 * static_cast<size_t>(layers_) &&
-                    biases_.size() == 3 * static_cast<size_t>(layers_),
-                "9 weights, 7 kinds and 3 biases a layer");
+    const size_t L = static_cast<size_t>(layers_);
+    TORCH_CHECK(layers_ > 0 && w_.size() == 9 * L && kinds_.size() == 7 * L && biases_.size() == 3 * L && norms.size() == 4 * L &&
+                    tables.size() == L && windows.size() == L && cos.size() == sin.size(),
+                "9 weights, 7 kinds, 3 biases, 4 norms, a table and a window a layer");
     TORCH_CHECK(norm_.dim() == 1 && heads_ % kv_heads_ == 0, "norm [hidden]; heads a multiple of kv heads");
     intermediate_ = out_features(w_[6], kinds_[4]);
-    for (int64_t l = 0; l < layers_; ++l)
+    for (int64_t l = 0; l < layers_; ++l) {
       projections_.push_back(Projections::of(&w_[9 * l], &kinds_[7 * l], &biases_[3 * l], norm_.size(0), heads_ * d_, kv_heads_ * d_,
                                              intermediate_));
+      const int64_t t = tables[l];
+      TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(cos.size()), "layer ", l, ": no rotary table ", t);
+      specs_.push_back(LayerSpec{norms[4 * l], norms[4 * l + 1], norms[4 * l + 2], norms[4 * l + 3], cos[t], sin[t], windows[l], act});
+    }
   }
 
   int64_t num_layers() const { return layers_; }
@@ -179,10 +189,11 @@ class NativeDecoder {
     const int64_t n = x.size(0), hidden = x.size(1);
     TORCH_CHECK(n > 0, "a pass of at least one row");
     for (int64_t l : capture) TORCH_CHECK(l >= 0 && l < num_layers, "cannot capture the state entering layer ", l);
-    const Pass pass{positions, cos_, sin_, std::move(slots), std::move(context_lens), std::move(query_lens),
+    const Pass pass{positions, std::move(slots), std::move(context_lens), std::move(query_lens),
                     std::move(tree_starts), std::move(tree_paths), heads_, kv_heads_, eps_, scale_};
     for (int64_t l = 0; l < num_layers; ++l) {
       pass.check(n, kcaches[l], vcaches[l]);
+      specs_[l].check(pass, hidden, d_);
       TORCH_CHECK(kcaches[l].size(3) == d_ && kcaches[l].scalar_type() == x.scalar_type(), "caches of the model's head size and dtype");
     }
     // one pass at a time: the workspace is the object's (a Decoder shared by threads takes turns)
@@ -319,10 +330,11 @@ class NativeDecoder {
         s[a] = slots[i], c[a] = context_lens[i], q[a] = query_lens[i];
         for (int64_t j = 0; j < q[a]; ++j) pos[r++] = c[a] + j;
       }
-      const Pass pass{positions, cos_, sin_, std::move(s), std::move(c), std::move(q), std::vector<c10::optional<torch::Tensor>>(m),
+      const Pass pass{positions, std::move(s), std::move(c), std::move(q), std::vector<c10::optional<torch::Tensor>>(m),
                       std::vector<c10::optional<torch::Tensor>>(m), heads_, kv_heads_, eps_, scale_};
       for (int64_t l = 0; l < layers_; ++l) {
         pass.check(n, kcaches[l], vcaches[l]);
+        specs_[l].check(pass, hidden, d_);
         TORCH_CHECK(kcaches[l].size(3) == d_ && kcaches[l].scalar_type() == norm_.scalar_type(), "caches of the model's head size and dtype");
       }
       torch::Tensor normed = grown(normed_, n, hidden, options);
@@ -412,7 +424,7 @@ class NativeDecoder {
     for (int64_t l = 0; l < num_layers; ++l) {
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == l) captured.narrow(1, c * hidden, hidden).copy_(stream);
-      layer_into(stream, stream, &w_[9 * l], projections_[l], &biases_[3 * l], kcaches[l], vcaches[l], pass, b,
+      layer_into(stream, stream, &w_[9 * l], projections_[l], &biases_[3 * l], specs_[l], kcaches[l], vcaches[l], pass, b,
                  profiling_ ? &times_ : nullptr);
     }
     rms_norm_into(stream, norm_, eps_, out);
@@ -420,6 +432,20 @@ class NativeDecoder {
 
   // the table's rows of `tokens` into x [tokens, hidden]
   void embed_into(const std::vector<int64_t>& tokens, const torch::Tensor& x) const {
+    const int64_t hidden = x.size(1), n = static_cast<int64_t>(tokens.size());
+    const bool f32 = x.scalar_type() == torch::kFloat32;
+    embed_rows_into(tokens, x);
+    // Gemma's sqrt(hidden), after the row is in the model's dtype: the Python path's embed[tokens] * scale
+    if (embed_scale_ == 0.0) return;
+    if (f32) {
+      qd::scale_values(x.data_ptr<float>(), n * hidden, static_cast<float>(embed_scale_));
+    } else {
+      qd::scale_values(reinterpret_cast<uint16_t*>(x.data_ptr()), n * hidden, static_cast<float>(embed_scale_));
+    }
+  }
+
+  // the table's rows of `tokens` into x [tokens, hidden], as stored (dense) or dequantized (blocks)
+  void embed_rows_into(const std::vector<int64_t>& tokens, const torch::Tensor& x) const {
     const int64_t hidden = x.size(1), n = static_cast<int64_t>(tokens.size());
     const bool f32 = x.scalar_type() == torch::kFloat32;
     if (embed_kind_ == DENSE) {
@@ -449,9 +475,10 @@ class NativeDecoder {
   std::vector<int64_t> kinds_;
   std::vector<c10::optional<torch::Tensor>> biases_;
   std::vector<Projections> projections_;  // each layer's, prepared once (layer.h)
-  torch::Tensor norm_, cos_, sin_;
+  std::vector<LayerSpec> specs_;          // each layer's norms, rotary tables, window and activation (layer.h)
+  torch::Tensor norm_;
   int64_t heads_, kv_heads_, d_, layers_ = 0, intermediate_ = 0;
-  double eps_, scale_;
+  double eps_, scale_, embed_scale_;
   std::mutex mutex_;
   Buffers ws_;
   torch::Tensor stream_;
@@ -470,8 +497,10 @@ class NativeDecoder {
 
 void register_forward(pybind11::module& m) {
   pybind11::class_<NativeDecoder>(m, "NativeDecoder", "a model's decoder layers and final norm, run in one call a pass")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
+                          std::vector<c10::optional<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<int64_t>, std::vector<int64_t>, int64_t, double, torch::Tensor, int64_t, int64_t, int64_t, double,
+                          double>())
       .def_property_readonly("num_layers", &NativeDecoder::num_layers)
       // the GIL is let go: a pass touches no Python object, and the server's other threads may run
       .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),

@@ -108,12 +108,20 @@ void Pass::check(int64_t n, const torch::Tensor& kcache, const torch::Tensor& vc
               "caches alike, rows of d contiguous, d a multiple of 16");
   TORCH_CHECK(positions.numel() == n && positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
               "one int64 position a row");
+}
+
+void LayerSpec::check(const Pass& pass, int64_t hidden, int64_t d) const {
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == d,
               "cos, sin [positions, d] float32, contiguous");
-  const int64_t* p = positions.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
+  const int64_t* p = pass.positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < pass.positions.numel(); ++r)
     TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "position ", p[r], " is past the rotary table's ", cos.size(0));
+  for (const auto& [norm, width] : {std::pair{&q_norm, d}, std::pair{&k_norm, d}, std::pair{&attn_out_norm, hidden},
+                                    std::pair{&mlp_out_norm, hidden}})
+    TORCH_CHECK(!norm->has_value() || ((*norm)->dim() == 1 && (*norm)->size(0) == width && (*norm)->is_contiguous()),
+                "a norm's weight [", width, "], contiguous");
+  TORCH_CHECK(window >= 0 && (act == qd::SILU || act == qd::GELU_TANH), "a window of 0 or more positions; activation 0 or 1");
 }
 
 Buffers Buffers::allocate(int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t intermediate,
@@ -186,8 +194,8 @@ Projections Projections::of(const torch::Tensor* w, const int64_t* kinds, const 
 }
 
 void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const Projections& proj,
-                const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
-                const Pass& pass, const Buffers& b, LayerTimes* times) {
+                const c10::optional<torch::Tensor>* biases, const LayerSpec& spec, const torch::Tensor& kcache,
+                const torch::Tensor& vcache, const Pass& pass, const Buffers& b, LayerTimes* times) {
   Laps laps(times);
   const int64_t n = x.size(0), d = kcache.size(3);
   rms_norm_into(x, w[0], pass.eps, b.h);
@@ -202,12 +210,24 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
   // with the same arguments: the same bits.
   const int64_t H = pass.heads, Hkv = pass.kv_heads;
   const int64_t* positions = pass.positions.data_ptr<int64_t>();
-  const float *cos = pass.cos.data_ptr<float>(), *sin = pass.sin.data_ptr<float>();
+  const float *cos = spec.cos.data_ptr<float>(), *sin = spec.sin.data_ptr<float>();
+  // each head's q and k normed first where the family says (into attn_x, which holds a row of q in
+  // x's dtype and is free until attention's output), then rotated from there back into q and k
+  const torch::Tensor spare = b.attn_x;
+  for (const auto& [t, heads, norm] : {std::tuple{&b.q, H, &spec.q_norm}, std::tuple{&b.k, Hkv, &spec.k_norm}}) {
+    if (!norm->has_value()) continue;
+    const torch::Tensor normed = spare.view(-1).narrow(0, 0, n * heads * d).view({n * heads, d});  // its first rows' storage
+    rms_norm_into(t->view({n * heads, d}), **norm, pass.eps, normed);
+    with_type(x, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      qd::rotary_rows(data<T>(normed), cos, sin, positions, data<T>(*t), n, heads, d);
+    });
+  }
   with_type(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     // rotated in place: rotary_rows reads each pair of values before it writes them
-    qd::rotary_rows(data<T>(b.q), cos, sin, positions, data<T>(b.q), n, H, d);
-    qd::rotary_rows(data<T>(b.k), cos, sin, positions, data<T>(b.k), n, Hkv, d);
+    if (!spec.q_norm) qd::rotary_rows(data<T>(b.q), cos, sin, positions, data<T>(b.q), n, H, d);
+    if (!spec.k_norm) qd::rotary_rows(data<T>(b.k), cos, sin, positions, data<T>(b.k), n, Hkv, d);
   });
   // attention reads float32 queries: the Python path's q.float(), one conversion for every sequence
   if (b.qf.data_ptr() != b.q.data_ptr()) convert_into(b.q, b.qf);
@@ -220,7 +240,7 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
       write_cache(b.k.narrow(0, start, len).view({len, Hkv, d}), keys, ctx);
       write_cache(b.v.narrow(0, start, len).view({len, Hkv, d}), values, ctx);
       attend_tree_into(b.qf.narrow(0, start, len).view({len, H, d}), keys.narrow(1, 0, ctx + len), values.narrow(1, 0, ctx + len),
-                       ctx, *pass.tree_starts[i], *pass.tree_paths[i], pass.scale, b.attn.narrow(0, start, len));
+                       ctx, *pass.tree_starts[i], *pass.tree_paths[i], pass.scale, b.attn.narrow(0, start, len), spec.window);
     } else {
       with_type(x, [&](auto* type) {
         using T = std::remove_pointer_t<decltype(type)>;
@@ -231,7 +251,7 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
         qd::write_rows(data<T>(b.k) + start * Hkv * d, keys, hs * size, ks * size, ctx, len, Hkv, d * size);
         qd::write_rows(data<T>(b.v) + start * Hkv * d, values, hs * size, ks * size, ctx, len, Hkv, d * size);
         qd::attend_chain(data<float>(b.qf) + start * H * d, static_cast<const T*>(keys), static_cast<const T*>(values), hs, ks,
-                         data<float>(b.attn) + start * H * d, len, H, Hkv, d, ctx, static_cast<float>(pass.scale));
+                         data<float>(b.attn) + start * H * d, len, H, Hkv, d, ctx, static_cast<float>(pass.scale), spec.window);
       });
     }
     start += len;
@@ -241,40 +261,49 @@ void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::T
   laps.to(&LayerTimes::other);
   project(proj, 1, b.attn_x, w, biases, ys);
   laps.to(&LayerTimes::matrices);
-  add_into(x, b.o, b.mid);
+  // a sublayer's output normed before its residual add where the family says (into h: free by then)
+  const auto add_normed = [&](const torch::Tensor& residual, const torch::Tensor& y, const c10::optional<torch::Tensor>& norm,
+                              const torch::Tensor& into) {
+    if (norm) rms_norm_into(y, *norm, pass.eps, b.h);
+    add_into(residual, norm ? b.h : y, into);
+  };
+  add_normed(x, b.o, spec.attn_out_norm, b.mid);
   rms_norm_into(b.mid, w[5], pass.eps, b.h);
   laps.to(&LayerTimes::other);
   project(proj, 2, b.h, w, biases, ys);
   laps.to(&LayerTimes::matrices);
-  // silu(gate) * up in place, as the Python path's ops.silu_mul
+  // act(gate) * up in place, as the Python path's ops.act_mul
   with_type(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    qd::silu_mul_values(data<T>(b.gate), data<T>(b.up), data<T>(b.gate), b.gate.numel());
+    qd::act_mul_values(spec.act, data<T>(b.gate), data<T>(b.up), data<T>(b.gate), b.gate.numel());
   });
   laps.to(&LayerTimes::other);
   project(proj, 3, b.gate, w, biases, ys);
   laps.to(&LayerTimes::matrices);
-  add_into(b.mid, b.down, out);
+  add_normed(b.mid, b.down, spec.mlp_out_norm, out);
   laps.to(&LayerTimes::other);
 }
 
 // the same arguments as layer_into, one layer a call with buffers of its own -> x after the layer
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
-                            std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cos, torch::Tensor sin,
+                            std::vector<c10::optional<torch::Tensor>> biases, std::vector<c10::optional<torch::Tensor>> norms,
+                            torch::Tensor cos, torch::Tensor sin, int64_t window, int64_t act,
                             torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
                             std::vector<int64_t> context_lens, std::vector<int64_t> query_lens,
                             std::vector<c10::optional<torch::Tensor>> tree_starts, std::vector<c10::optional<torch::Tensor>> tree_paths,
                             int64_t heads, int64_t kv_heads, double eps, double scale) {
-  TORCH_CHECK(w.size() == 9 && kinds.size() == 7 && biases.size() == 3, "9 weights, 7 kinds, 3 biases");
+  TORCH_CHECK(w.size() == 9 && kinds.size() == 7 && biases.size() == 3 && norms.size() == 4, "9 weights, 7 kinds, 3 biases, 4 norms");
   TORCH_CHECK(x.dim() == 2, "x [n, hidden]");
-  const Pass pass{positions, cos, sin, slots, context_lens, query_lens, tree_starts, tree_paths, heads, kv_heads, eps, scale};
+  const Pass pass{positions, slots, context_lens, query_lens, tree_starts, tree_paths, heads, kv_heads, eps, scale};
+  const LayerSpec spec{norms[0], norms[1], norms[2], norms[3], cos, sin, window, act};
   const int64_t n = x.size(0);
   pass.check(n, kcache, vcache);
+  spec.check(pass, x.size(1), kcache.size(3));
   TORCH_CHECK(kcache.scalar_type() == x.scalar_type(), "caches of x's dtype");
   const Buffers b = Buffers::allocate(n, x.size(1), heads, kv_heads, kcache.size(3), out_features(w[6], kinds[4]), x.options());
   torch::Tensor out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   const Projections proj = Projections::of(w.data(), kinds.data(), biases.data(), x.size(1), heads * kcache.size(3),
                                            kv_heads * kcache.size(3), out_features(w[6], kinds[4]));
-  layer_into(x, out, w.data(), proj, biases.data(), kcache, vcache, pass, b);
+  layer_into(x, out, w.data(), proj, biases.data(), spec, kcache, vcache, pass, b);
   return out;
 }

@@ -17,13 +17,26 @@ constexpr int64_t DENSE = -1;  // a projection's kind: a dense weight of x's dty
 // attention.cpp's attend_tree).
 struct Pass {
   torch::Tensor positions;  // [n] int64
-  torch::Tensor cos, sin;   // [max_positions, d] float32
   std::vector<int64_t> slots, context_lens, query_lens;                // [batch]
   std::vector<c10::optional<torch::Tensor>> tree_starts, tree_paths;   // [batch], None for a chain
   int64_t heads, kv_heads;
   double eps, scale;
   // the metadata against n rows and a layer's caches [slots, kv_heads, max_len, d]: once a pass
   void check(int64_t n, const torch::Tensor& kcache, const torch::Tensor& vcache) const;
+};
+
+// What a layer's arithmetic has beyond Llama's, as the model's family (models/families.py) says:
+// each norm optional (none: Llama, Qwen2, Mistral), the rotary tables the layer's own (Gemma 3's
+// sliding layers turn at another base than its global ones).
+struct LayerSpec {
+  c10::optional<torch::Tensor> q_norm, k_norm;  // [d]: RMSNorm of each head's q and k before rotary (Qwen3, Gemma 3)
+  // [hidden]: RMSNorm of the attention's and of the MLP's output before its residual add (Gemma 3)
+  c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;
+  torch::Tensor cos, sin;  // [max_positions, d] float32
+  int64_t window = 0;      // a sliding window of this many positions (0: none), attention.h's windowed
+  int64_t act = 0;         // rowwise.h's Activation of the MLP's gate
+  // the tables and norms against the pass's positions and the model's shape: once a pass
+  void check(const Pass& pass, int64_t hidden, int64_t d) const;
 };
 
 // A layer's activations, n rows each, contiguous; x's dtype unless said.
@@ -73,8 +86,8 @@ inline int64_t out_features(const torch::Tensor& w, int64_t kind) { return kind 
 // x [n, hidden] -> out [n, hidden] after one layer (out may be x itself: x is last read before out
 // is first written). w: input norm, q, k, v, o, post-attention norm, gate, up, down; proj: the
 // projections of w prepared (Projections::of); biases: q, k, v's; kcache, vcache: this layer's
-// [slots, kv_heads, max_len, d], written at the new tokens' positions. The pass's metadata must
-// have passed Pass::check. times: where the layer's time went is added there (nullptr: no clock is read).
+// [slots, kv_heads, max_len, d], written at the new tokens' positions; spec: what the family adds.
+// The pass's metadata must have passed Pass::check, and spec LayerSpec::check. times: where the layer's time went is added there (nullptr: no clock is read).
 void layer_into(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor* w, const Projections& proj,
-                const c10::optional<torch::Tensor>* biases, const torch::Tensor& kcache, const torch::Tensor& vcache,
-                const Pass& pass, const Buffers& b, LayerTimes* times = nullptr);
+                const c10::optional<torch::Tensor>* biases, const LayerSpec& spec, const torch::Tensor& kcache,
+                const torch::Tensor& vcache, const Pass& pass, const Buffers& b, LayerTimes* times = nullptr);

@@ -51,6 +51,16 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   return out;
 }
 
+// act(gate) * up, elementwise, act 0 SiLU or 1 GELU-tanh (rowwise.h's act_mul_values) -> a new
+// contiguous tensor of gate's dtype
+torch::Tensor act_mul(torch::Tensor gate, torch::Tensor up, int64_t act) {
+  TORCH_CHECK(act == qd::SILU || act == qd::GELU_TANH, "activation 0 (SiLU) or 1 (GELU-tanh)");
+  auto out = torch::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  binary_into(gate.contiguous(), up.contiguous(), out,
+              [act](auto* g, auto* u, auto* o, int64_t count) { qd::act_mul_values(act, g, u, o, count); });
+  return out;
+}
+
 // dst = src in dst's dtype (float32 <-> bfloat16, rounded to nearest even as torch's copy_), both
 // contiguous and of one size
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst) {
@@ -78,19 +88,24 @@ void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t 
   qd::write_rows(rows.data_ptr(), cache.data_ptr(), cache.stride(0) * size, cache.stride(1) * size, at, len, heads, d * size);
 }
 
-// x [n, h], weight [h] of x's dtype (float32 or bfloat16) -> y [n, h], contiguous, of x's dtype
-// (written in place: forward.cpp's workspace; y may not overlap x)
+// x [n, h], weight [h] of x's dtype or float32 (rowwise.h's rms_rows: Gemma's rule) -> y [n, h],
+// contiguous, of x's dtype (written in place: forward.cpp's workspace; y may not overlap x)
 void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "x [n, h], weight [h]");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight of one dtype");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() || weight.scalar_type() == torch::kFloat32, "a weight of x's dtype or float32");
   TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.sizes() == x.sizes(), "y like x, contiguous");
   auto xc = x.contiguous(), wc = weight.contiguous();
   const int64_t n = xc.size(0), h = xc.size(1);
+  const float e = static_cast<float>(eps);
   if (x.scalar_type() == torch::kFloat32) {
-    qd::rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), n, h, static_cast<float>(eps));
+    qd::rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), n, h, e);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x float32 or bfloat16");
-    qd::rms_rows(bf16(xc), bf16(wc), bf16_out(y), n, h, static_cast<float>(eps));
+    if (wc.scalar_type() == torch::kFloat32) {
+      qd::rms_rows(bf16(xc), wc.data_ptr<float>(), bf16_out(y), n, h, e);
+    } else {
+      qd::rms_rows(bf16(xc), bf16(wc), bf16_out(y), n, h, e);
+    }
   }
 }
 

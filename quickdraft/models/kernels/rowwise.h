@@ -51,10 +51,14 @@ inline simd::F16 round_to(simd::F16 v) {
 }
 
 // RMSNorm as Hugging Face's: the sum of squares in 16 lane chains (lane l: values l, l + 16, ...,
-// in order), the lanes added 0..15; each value normalized in float32, rounded to T, times the
-// weight, rounded to T. Rows [n, h] of X into Y (Y may not overlap X).
-template <typename T>
-void rms_rows(const T* X, const T* W, T* Y, int64_t n, int64_t h, float eps) {
+// in order), the lanes added 0..15; then, with a weight of T (LlamaRMSNorm), each value normalized
+// in float32, rounded to T, times the weight, rounded to T; with a float32 weight for bfloat16 rows
+// (Gemma's RMSNorm, whose weight is 1 + w in float32: the loader adds the 1), normalized times the
+// weight in float32, rounded once. The two agree in float32. Rows [n, h] of X into Y (Y may not
+// overlap X).
+template <typename T, typename WT>
+void rms_rows(const T* X, const WT* W, T* Y, int64_t n, int64_t h, float eps) {
+  constexpr bool round_first = std::is_same_v<T, WT>;
   const int64_t whole = h / 16 * 16;
 #pragma omp parallel for schedule(static) if (n > 8)
   for (int64_t r = 0; r < n; ++r) {
@@ -72,9 +76,14 @@ void rms_rows(const T* X, const T* W, T* Y, int64_t n, int64_t h, float eps) {
     for (float l : lanes) ss += l;
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
     const simd::F16 iv = simd::set1_f(inv);
-    for (int64_t i = 0; i < whole; i += 16)
-      store(y + i, simd::mul(simd::load_f(W + i), round_to<T>(simd::mul(simd::load_f(x + i), iv))));
-    for (int64_t i = whole; i < h; ++i) y[i] = from_float<T>(to_float(W[i]) * to_float(from_float<T>(to_float(x[i]) * inv)));
+    for (int64_t i = 0; i < whole; i += 16) {
+      const simd::F16 v = simd::mul(simd::load_f(x + i), iv);
+      store(y + i, simd::mul(simd::load_f(W + i), round_first ? round_to<T>(v) : v));
+    }
+    for (int64_t i = whole; i < h; ++i) {
+      const float v = to_float(x[i]) * inv;
+      y[i] = from_float<T>(to_float(W[i]) * (round_first ? to_float(from_float<T>(v)) : v));
+    }
   }
 }
 
@@ -175,6 +184,38 @@ void silu_mul_values(const T* gate, const T* up, T* out, int64_t count) {
       count,
       [&](int n, int64_t i) { store_n(out + i, simd::mul(round_to<T>(silu(load_n(gate + i, n))), load_n(up + i, n)), n); },
       PARALLEL_SILU);
+}
+
+// GELU with the tanh approximation (Gemma's gelu_pytorch_tanh), 0.5 x (1 + tanh(u)) with u =
+// sqrt(2 / pi) (x + 0.044715 x^3), written as x / (1 + e^(-2u)) (the same function: 0.5 (1 +
+// tanh(u)) is the logistic of 2u) on exp_neg, so one exponent and the same bits on every ISA; e^(-2u)
+// is capped at e^88 as in silu. Not torch's bits (its tanh is its own): held to it within float32's
+// rounding in tests/models/test_rowwise.py.
+inline simd::F16 gelu_tanh(simd::F16 x) {
+  const simd::F16 x3 = simd::mul(simd::mul(x, x), x);
+  const simd::F16 u = simd::mul(simd::set1_f(0.7978845608028654f), simd::fmadd(simd::set1_f(0.044715f), x3, x));
+  const simd::F16 e = simd::exp_neg(simd::mul(simd::max(simd::set1_f(-88.0f), simd::mul(u, simd::set1_f(2.0f))), simd::set1_f(-1.0f)));
+  return simd::div(x, simd::add(simd::set1_f(1.0f), e));
+}
+
+// The MLP's activation: the gate's function before it multiplies up (families.py's activation).
+enum Activation : int64_t { SILU = 0, GELU_TANH = 1 };
+
+// out = T(T(act(gate)) x up) for either activation, rounded as silu_mul_values (out may be gate or up)
+template <typename T>
+void act_mul_values(int64_t act, const T* gate, const T* up, T* out, int64_t count) {
+  if (act == SILU) return silu_mul_values(gate, up, out, count);
+  in_sixteens(
+      count,
+      [&](int n, int64_t i) { store_n(out + i, simd::mul(round_to<T>(gelu_tanh(load_n(gate + i, n))), load_n(up + i, n)), n); },
+      PARALLEL_SILU);
+}
+
+// x [count] times s, rounded to T: Gemma's embeddings times sqrt(hidden)
+// (s already rounded to T, as transformers multiplies by a tensor of the weights' dtype)
+template <typename T>
+void scale_values(T* x, int64_t count, float s) {
+  in_sixteens(count, [&](int n, int64_t i) { store_n(x + i, simd::mul(load_n(x + i, n), simd::set1_f(s)), n); });
 }
 
 // dst = src in To's dtype (bfloat16 <-> float32, rounded to nearest even as torch's copy_)
