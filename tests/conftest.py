@@ -45,6 +45,12 @@ def qwen05_path() -> Path:
     return _builtin_path("qwen2.5-coder-0.5b-instruct")
 
 
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M (base), Q4_K_M GGUF (253 MB, gemma3 arch)."""
+    return _builtin_path("gemma3-270m")
+
+
 def _gguf_header(path: Path) -> tuple[dict, dict]:
     reader = open_gguf(path)
     return read_metadata(reader), {t.name: _torch_shape(t) for t in reader.tensors}

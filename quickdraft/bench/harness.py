@@ -29,6 +29,7 @@ from quickdraft.bench.floor import floor
 from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError
 from quickdraft.measure import RssSampler, measure_bandwidth, summarize, top2_margin
+from quickdraft.models.config import activation_dtype
 from quickdraft.models.decoder import nbytes
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.proposers.heads import head_bytes
@@ -360,6 +361,6 @@ def _model_info(m: LoadedModel) -> dict:
     return {"name": cfg.name, "source": m.source, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,
             "weight_bytes": sum(nbytes(t) for t in m.weights.values()),
-            "dtype": str(m.weights["model.norm.weight"].dtype).replace("torch.", ""),
+            "dtype": str(activation_dtype(cfg, m.weights)).replace("torch.", ""),
             "formats": sorted({getattr(t, "ggml_type", None) or str(t.dtype).replace("torch.", "")
                                for n, t in m.weights.items() if n.endswith("proj.weight")})}

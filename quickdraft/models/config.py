@@ -97,3 +97,10 @@ class ModelConfig:
             if self.attention_bias:
                 names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
         return names
+
+
+def activation_dtype(config: ModelConfig, weights: dict):
+    """The dtype a model's weights were loaded in, which its activations take: its final norm's
+    (the embedding may be GGUF blocks), or, where the family's norms stay float32 (Gemma), its
+    embedding scale's."""
+    return weights[EMBED_SCALE if config.family.embed_scale else "model.norm.weight"].dtype

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from quickdraft.errors import ModelFormatError
 from quickdraft.models.config import EMBED_SCALE, ModelConfig
 from quickdraft.models.families import BY_GGUF_ARCH, FAMILIES, Family
-from quickdraft.models.rope import Rope, rope_from_gguf
+from quickdraft.models.rope import Rope, rope_from_gguf, whole_head_only
 from quickdraft.models.ggml import BLOCKS, BlockWeight
 from quickdraft.models.tokenizer import Tokenizer
 
@@ -108,7 +108,7 @@ def config_from_metadata(
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise ModelFormatError(f"{source}: {arch}.attention.value_length differs from key_length: not supported")
     num_layers = int(get("block_count"))
-    rope = rope_from_gguf(meta, arch, head_dim, rope_freqs, source)
+    rope = whole_head_only(rope_from_gguf(meta, arch, head_dim, rope_freqs, source), head_dim, source)
     window, types, local = int(get("attention.sliding_window", 0) or 0), (), None
     if window and arch == "llama":  # a Mistral file that states its window (llama.cpp's "llama" has none)
         family = FAMILIES["mistral"]

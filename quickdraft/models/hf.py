@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from quickdraft.errors import ModelFormatError
 from quickdraft.models.config import EMBED_SCALE, ModelConfig
 from quickdraft.models.families import BY_HF_ARCHITECTURE, GELU_TANH, Family
-from quickdraft.models.rope import rope_from_hf
+from quickdraft.models.rope import rope_from_hf, whole_head_only
 from quickdraft.models.tokenizer import Tokenizer
 
 # keys of every transformers config that describe, train or generate but change no arithmetic of
@@ -41,6 +41,7 @@ _INERT = frozenset((
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "tf_legacy_loss",
     "pruned_heads", "model_name", "residual_dropout", "embedding_dropout",
+    "quickdraft",  # how `quickdraft distill` trained a draft (train/draft.py's save_dir)
 ))
 # keys every family reads (the ones the rotary embedding reads are models/rope.py's)
 _COMMON = frozenset((
@@ -109,7 +110,7 @@ def config_from_hf(cfg: dict[str, Any], tokenizer: Tokenizer, source: str) -> Mo
     head_dim = int(cfg.get("head_dim") or hidden // n_head)
     num_layers = int(need("num_hidden_layers"))
     window, types = _windows(cfg, family, num_layers, source)
-    rope = rope_from_hf(cfg, head_dim, source)
+    rope = whole_head_only(rope_from_hf(cfg, head_dim, source), head_dim, source)
     local = rope_from_hf(cfg, head_dim, source, layer_type="sliding_attention") if types else None
     eos = cfg.get("eos_token_id")
     eos = eos if isinstance(eos, list) else [] if eos is None else [eos]

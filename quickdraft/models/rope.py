@@ -103,6 +103,15 @@ def _rotary_dim(fraction: Any, head_dim: int, source: str, key: str) -> int | No
     return None if dim == head_dim else dim
 
 
+def whole_head_only(rope: Rope, head_dim: int, source: str) -> Rope:
+    """``rope`` when it turns every dim of a head. The loaders do not reorder the q/k rows that
+    partial rotary needs (partial_rotary_order), so a partial one is refused, never computed wrong."""
+    if rope.rotary_dim is not None:
+        raise ModelFormatError(f"{source}: partial rotary embeddings ({rope.rotary_dim} of {head_dim} dims per head) "
+                               "are not supported")
+    return rope
+
+
 # --- Hugging Face config.json ----------------------------------------------------------------------
 
 # transformers' default base where a config has none: RotaryEmbeddingConfigMixin.default_theta

@@ -71,6 +71,10 @@ class TrainableDraft(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         c = self.config = model.config
+        if c.arch not in ("llama", "qwen2") or c.rope_scaling is not None or c.rotary_dim is not None or c.sliding_window:
+            raise ValueError(f"{c.name}: a draft is distilled from a Llama or Qwen2 model with plain rotary embeddings "
+                             f"and full attention; this is a {c.arch} model"
+                             f"{' with scaled rotary embeddings' if c.rope_scaling is not None else ''}")
         w = model.weights
         self.model = torch.nn.Module()
         embed = w["model.embed_tokens.weight"]
@@ -204,8 +208,10 @@ def save_dir(module: TrainableDraft, tokenizer, out_dir: str | Path, meta: dict 
            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
            "head_dim": c.head_dim, "rope_theta": c.rope_theta, "rms_norm_eps": c.rms_norm_eps,
            "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
-           "attention_bias": c.attention_bias, "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids),
+           "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids),
            "hidden_act": "silu", "torch_dtype": "float32", "_name_or_path": f"{c.name or 'draft'}-distilled"}
+    if c.arch == "llama":
+        cfg["attention_bias"] = False  # Qwen2's config has no such key: its q/k/v biases are implied
     if meta is not None:
         cfg["quickdraft"] = meta
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

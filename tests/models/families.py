@@ -43,7 +43,7 @@ def hf_config(family: str):
             tie_word_embeddings=False, **common)
     if family == "gemma3":
         return transformers.Gemma3TextConfig(
-            num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=SLIDING,
+            num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32, sliding_window=SLIDING,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},

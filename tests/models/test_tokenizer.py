@@ -143,32 +143,40 @@ def test_no_template(tiny_hf_dir) -> None:
 # --- SentencePiece (tokenizer.ggml.model "llama"): Gemma 3, Llama 2 ------------------------------
 
 
-def spm_reference(text: str, tokens: list[str], types: list[int], scores: list[float], add_space_prefix: bool) -> list[int]:
+class SpmReference:
     """llama.cpp's SentencePiece encoding (``llama_vocab::impl::tokenize`` for type SPM with
     parse_special, and ``llm_tokenizer_spm``), written out plainly as an oracle: control (3),
     unknown (2) and user-defined (4) tokens are cut out of the text, longest first; each stretch of
     text left gets a leading space if ``add_space_prefix``, its spaces become ▁, and then the
     adjacent pair whose concatenation is the best-scored token (the leftmost on a tie) is merged
     until no pair is a token; a symbol that is no token becomes the byte tokens of its UTF-8."""
-    ids = {t: i for i, t in enumerate(tokens)}
-    pieces: list[str | int] = [text] if text else []
-    for special in sorted((i for i, k in enumerate(types) if k in (2, 3, 4)), key=lambda i: -len(tokens[i])):
-        cut: list[str | int] = []
-        for piece in pieces:
+
+    def __init__(self, meta: dict):
+        self.tokens, types, self.scores = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
+        self.add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+        self.ids = {t: i for i, t in enumerate(self.tokens)}
+        self.special = sorted((i for i, k in enumerate(types) if k in (2, 3, 4)), key=lambda i: -len(self.tokens[i]))
+
+    def __call__(self, text: str) -> list[int]:
+        pieces: list[str | int] = [text] if text else []
+        for special in self.special:
+            cut: list[str | int] = []
+            for piece in pieces:
+                if isinstance(piece, int) or self.tokens[special] not in piece:
+                    cut.append(piece)
+                    continue
+                for n, part in enumerate(piece.split(self.tokens[special])):
+                    cut += ([special] if n else []) + ([part] if part else [])
+            pieces = cut
+        out: list[int] = []
+        for n, piece in enumerate(pieces):
             if isinstance(piece, int):
-                cut.append(piece)
+                out.append(piece)
                 continue
-            for n, part in enumerate(piece.split(tokens[special])):
-                cut += ([special] if n else []) + ([part] if part else [])
-        pieces = cut
-    out: list[int] = []
-    for n, piece in enumerate(pieces):
-        if isinstance(piece, int):
-            out.append(piece)
-            continue
-        prefixed = " " + piece if add_space_prefix and (n == 0 or isinstance(pieces[n - 1], int)) else piece
-        out += _spm_merge(prefixed.replace(" ", "\u2581"), ids, scores)
-    return out
+            first = n == 0 or isinstance(pieces[n - 1], int)  # every stretch of text is, in fact
+            prefixed = " " + piece if self.add_space_prefix and first else piece
+            out += _spm_merge(prefixed.replace(" ", "\u2581"), self.ids, self.scores)
+        return out
 
 
 def _spm_merge(text: str, ids: dict[str, int], scores: list[float]) -> list[int]:
@@ -306,10 +314,10 @@ def test_gemma_ids(gemma_meta: dict, gemma_tokenizer: Tokenizer) -> None:
 @pytest.mark.slow
 def test_gemma_matches_llama_cpp_and_transformers(gemma_meta: dict, gemma_tokenizer: Tokenizer, gemma_hf) -> None:
     tok = gemma_tokenizer
-    vocab = [gemma_meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores")]
+    reference = SpmReference(gemma_meta)
     for text in GEMMA_TEXTS + GEMMA_LLAMA_CPP_ONLY:
         ids = tok.encode(text)
-        assert ids[0] == 2 and ids[1:] == spm_reference(text, *vocab, add_space_prefix=False), text
+        assert ids[0] == 2 and ids[1:] == reference(text), text
         if text not in GEMMA_LLAMA_CPP_ONLY:
             assert ids == gemma_hf.encode(text), text
             assert tok.decode(ids) == gemma_hf.decode(ids, skip_special_tokens=True), text
@@ -321,13 +329,13 @@ def test_gemma_matches_llama_cpp_and_transformers(gemma_meta: dict, gemma_tokeni
 
 @pytest.mark.slow
 def test_gemma_random_text_matches_llama_cpp(gemma_meta: dict, gemma_tokenizer: Tokenizer) -> None:
-    vocab = [gemma_meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores")]
+    reference = SpmReference(gemma_meta)
     rng = random.Random(0)
     alphabet = [*"abcdefghijklmnop ABC  \n\t.,;:'\"()[]{}<>/_-+=0123456789éüß你好世界🚀∑\u2581",
                 "<b>", "</s>", "<start_of_turn>", "   "]
     for _ in range(500):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
-        assert gemma_tokenizer.encode(text)[1:] == spm_reference(text, *vocab, add_space_prefix=False), text
+        assert gemma_tokenizer.encode(text)[1:] == reference(text), text
 
 
 @pytest.mark.slow
@@ -384,10 +392,10 @@ def test_spm_matches_llama_cpp(prefix: bool) -> None:
     meta = _tiny_spm_meta(**({} if prefix else {"tokenizer.ggml.add_space_prefix": False}))
     tok = Tokenizer.from_gguf_metadata(meta, "tiny.gguf")
     assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,) and tok.add_bos_token  # llama.cpp's SPM defaults
-    vocab = [meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores")]
+    reference = SpmReference(meta)
     for text in SPM_TEXTS:
         ids = tok.encode(text)
-        expected = spm_reference(text, *vocab, add_space_prefix=prefix)
+        expected = reference(text)
         assert ids == ([1] if expected[:1] != [1] else []) + expected, text
         if "<" not in text and "\u2581" not in text:  # the prefixed space is taken off again (a ▁ typed is a space)
             assert tok.decode(ids) == text and tok.decode(ids[1:]) == text, text
@@ -395,7 +403,7 @@ def test_spm_matches_llama_cpp(prefix: bool) -> None:
     for _ in range(300):
         text = "".join(rng.choice(["the", " ", "cat", "a", "b", "é", "ü", "<tool>", "<s>", "\n", "on"])
                        for _ in range(rng.randint(0, 12)))
-        expected = spm_reference(text, *vocab, add_space_prefix=prefix)
+        expected = reference(text)
         assert tok.encode(text) == ([1] if expected[:1] != [1] else []) + expected, text
 
 
@@ -423,8 +431,8 @@ def test_spm_bytes_and_json_round_trip() -> None:
     ({"tokenizer.ggml.model": None}, "tokenizer.ggml.model is None"),
     (_tiny_spm_meta(**{"tokenizer.ggml.scores": None}), "tiny.gguf: SentencePiece tokenizer without tokenizer.ggml.scores"),
     (_tiny_spm_meta(**{"tokenizer.ggml.token_type": [1] * 10}), "token_type has 10 values for 287 tokens"),
-    ({**_tiny_spm_meta(), "tokenizer.ggml.tokens": _tiny_spm_meta()["tokenizer.ggml.tokens"][:-4] + ["éx", "<tool>", "<|turn|>"]
-      + ["z"]}, r"token 'éx' \(id 283\) holds 'x', which is no token of its own"),
+    ({**_tiny_spm_meta(), "tokenizer.ggml.tokens": [*_tiny_spm_meta()["tokenizer.ggml.tokens"][:-3], "éx", "<tool>",
+                                                    "<|turn|>"]}, r"token 'éx' \(id 284\) holds 'é', which is no token of its own"),
     (_tiny_spm_meta(**{"tokenizer.ggml.pre": "llama-bpe"}), "tokenizer.ggml.pre is 'llama-bpe'"),
     ({**_tiny_spm_meta(), "tokenizer.ggml.tokens": ["a", "b", "a"], "tokenizer.ggml.token_type": [1] * 3,
       "tokenizer.ggml.scores": [0.0] * 3}, "'a' is in the vocabulary twice"),
@@ -457,16 +465,18 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                   "<|eom_id|>"]
 
 
-def _byte_level_meta(pre: str, merges: list[str], extra_tokens: list[str], **keys) -> dict:
-    """A byte-level vocabulary: the 256 byte symbols, one token per merge, then control tokens."""
-    tokens = [*_byte_alphabet().values(), *(m.replace(" ", "") for m in merges), *extra_tokens]
+def _byte_level_meta(pre: str, merges: list[str], words: list[str] = (), **keys) -> dict:
+    """A byte-level vocabulary: the 256 byte symbols, one token per merge, ``words``, then Llama 3's
+    control tokens."""
+    tokens = [*_byte_alphabet().values(), *(m.replace(" ", "") for m in merges), *words, *LLAMA3_SPECIAL]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.token_type": [1] * (len(tokens) - len(LLAMA3_SPECIAL)) + [3] * len(LLAMA3_SPECIAL),
             "tokenizer.ggml.merges": merges, **keys}
 
 
 def _llama3() -> Tokenizer:
-    meta = _byte_level_meta("llama-bpe", ["Ġ t", "h e", "Ġt he", "Ġ c", "a t", "Ġc at", "Ġh ello"], LLAMA3_SPECIAL,
+    # "Ġhello" is a token no merge makes: llama.cpp (ignore_merges) takes the word " hello" whole.
+    meta = _byte_level_meta("llama-bpe", ["Ġ t", "h e", "Ġt he", "Ġ c", "a t", "Ġc at"], ["Ġhello"],
                             **{"tokenizer.ggml.bos_token_id": 263, "tokenizer.ggml.eos_token_id": 267,
                                "tokenizer.chat_template": LLAMA3_TEMPLATE})
     return Tokenizer.from_gguf_metadata(meta, "tiny-llama3.gguf")
@@ -478,7 +488,7 @@ def _pieces(tok: Tokenizer, text: str) -> list[str]:
     return [bytes(back[c] for c in p).decode("utf-8") for p, _ in tok._tok.pre_tokenizer.pre_tokenize_str(text)]
 
 
-SPLIT_TEXTS = [*VARIED, "I'm 12345 years\n\n  old", "THEY'RE it'S we'Ve 1234567 x  \n\t y", "it'ſ naïve 𝔘𝔫𝔦 ٣٤٥٦"]
+SPLIT_TEXTS = [*VARIED, "I'm 12345 years\n\n  old", "THEY'RE it'S we'Ve 1234567 x  \n\t y", "it'ſt naïve 𝔘𝔫𝔦 ٣٤٥٦"]
 
 
 def test_llama3_split_regex() -> None:
@@ -490,7 +500,7 @@ def test_llama3_split_regex() -> None:
         if "ſ" not in text:  # the only place the two spellings part: (?i:'s) matches "'ſ" too
             assert pieces == regex.findall(LLAMA3_JSON_SPLIT, text), text
     assert _pieces(tok, "I'm 12345 years\n\n  old") == ["I", "'m", " ", "123", "45", " years", "\n\n", " ", " old"]
-    assert regex.findall(LLAMA3_JSON_SPLIT, "it'ſ") == ["it", "'ſ"] and _pieces(tok, "it'ſ") == ["it", "'", "ſ"]
+    assert regex.findall(LLAMA3_JSON_SPLIT, "it'ſt") == ["it", "'ſ", "t"] and _pieces(tok, "it'ſt") == ["it", "'ſt"]
 
 
 def test_llama3_tokenizer_and_template() -> None:
@@ -504,7 +514,8 @@ def test_llama3_tokenizer_and_template() -> None:
                     "<|start_header_id|>user<|end_header_id|>\n\nWrite fib in Python.<|eot_id|>"
                     "<|start_header_id|>assistant<|end_header_id|>\n\n")
     ids = tok.encode(text)
-    assert ids[:2] == [263, 265] and ids.count(263) == 1 and ids.count(267) == 2 and ids[-2:] == [266, 198 - 198 + ids[-1]]
+    assert ids[:2] == [263, 265] and ids.count(263) == 1 and ids.count(267) == 2  # one BOS: the template's
+    assert tok.decode(ids[-3:], skip_special_tokens=False) == "<|end_header_id|>\n\n"
     assert tok.decode(ids) == "system\n\nYou are terse.user\n\nWrite fib in Python.assistant\n\n"
     assert tok.decode(ids, skip_special_tokens=False) == text
 
@@ -512,10 +523,10 @@ def test_llama3_tokenizer_and_template() -> None:
 def test_default_pre_splits_as_llama_cpp() -> None:
     """A byte-level file whose pre-tokenizer is "default" (or unnamed) is split with llama.cpp's
     four patterns in turn: punctuation runs, GPT-2's pattern, digit runs, digits in threes."""
-    tok = Tokenizer.from_gguf_metadata(_byte_level_meta("default", [], LLAMA3_SPECIAL), "tiny.gguf")
+    tok = Tokenizer.from_gguf_metadata(_byte_level_meta("default", []), "tiny.gguf")
     expected = ["Hello", ",", " world", "!!", " ", "123", "45", " ", "$", "x", "+=", "1", " don", "'", "t"]
     assert _pieces(tok, "Hello, world!! 12345 $x+=1 don't") == expected
-    meta = _byte_level_meta("default", [], LLAMA3_SPECIAL)
+    meta = _byte_level_meta("default", [])
     del meta["tokenizer.ggml.pre"]
-    assert _pieces(Tokenizer.from_gguf_metadata(meta, "tiny.gguf"), "Hello, world!! 12345") == expected[:8]
+    assert _pieces(Tokenizer.from_gguf_metadata(meta, "tiny.gguf"), "Hello, world!! 12345") == expected[:7]
     assert not tok.add_bos_token  # nothing asks for BOS

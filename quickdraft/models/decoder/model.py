@@ -25,7 +25,7 @@ from collections.abc import Collection
 import torch
 
 from quickdraft.kv_cache import KVCache
-from quickdraft.models.config import EMBED_SCALE, ModelConfig
+from quickdraft.models.config import EMBED_SCALE, ModelConfig, activation_dtype
 from quickdraft.models.decoder.graphs import CudaGraphs
 from quickdraft.models.decoder.metadata import AttentionMetadata, pass_trees
 from quickdraft.models.decoder.native import NativeLayers
@@ -51,11 +51,8 @@ class Decoder(ReferenceLayers):
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.config = config
-        # the activations' dtype: the norm's (the embedding may be a BlockWeight), or for Gemma, whose
-        # norms are float32 (families.py's unit offset), its embedding scale's
-        norm = weights[EMBED_SCALE if config.family.embed_scale else "model.norm.weight"]
-        self.device = norm.device
-        self.dtype = norm.dtype
+        self.device = weights["model.norm.weight"].device
+        self.dtype = activation_dtype(config, weights)
         embed = weights["model.embed_tokens.weight"]
         self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
         if quantize == "int8" and on_blocks(weights):

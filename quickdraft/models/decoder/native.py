@@ -48,7 +48,8 @@ class NativeLayers:
             [b for _, _, biases, _ in layers for b in biases], [n for _, _, _, norms in layers for n in norms],
             [t.cos for t in tables], [t.sin for t in tables], [tables.index(r) for r in self.rotaries],
             [c.window(layer) for layer in range(c.num_layers)], c.family.activation, embed_scale,
-            decoder.w["model.norm.weight"], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
+            decoder.w["model.norm.weight"], torch.empty(0, dtype=decoder.dtype), c.num_heads, c.num_kv_heads, c.head_dim,
+            c.rms_norm_eps, self.scale)
 
     @classmethod
     def of(cls, decoder) -> "NativeLayers | None":

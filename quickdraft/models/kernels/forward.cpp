@@ -133,13 +133,15 @@ class NativeDecoder {
   // [max_positions, head_dim] float32, tables[l] the one of layer l; windows[l]: layer l's sliding
   // window (0: none); act: rowwise.h's Activation; embed_scale: what chains() multiplies a token's
   // embedding by, rounded to the model's dtype (0: nothing; Gemma's sqrt(hidden)); norm: the final
-  // norm's weight
+  // norm's weight (of the activations' dtype, or float32: Gemma's); like: an empty tensor of the
+  // activations' dtype
   NativeDecoder(std::vector<torch::Tensor> w, std::vector<int64_t> kinds, std::vector<c10::optional<torch::Tensor>> biases,
                 std::vector<c10::optional<torch::Tensor>> norms, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
                 std::vector<int64_t> tables, std::vector<int64_t> windows, int64_t act, double embed_scale, torch::Tensor norm,
-                int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
-      : w_(std::move(w)), kinds_(std::move(kinds)), biases_(std::move(biases)), norm_(std::move(norm)), heads_(heads),
-        kv_heads_(kv_heads), d_(head_dim), eps_(eps), scale_(scale), embed_scale_(embed_scale) {
+                torch::Tensor like, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : w_(std::move(w)), kinds_(std::move(kinds)), biases_(std::move(biases)), norm_(std::move(norm)),
+        dtype_(like.scalar_type()), heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(eps), scale_(scale),
+        embed_scale_(embed_scale) {
     layers_ = static_cast<int64_t>(kinds_.size() / 7);
     const size_t L = static_cast<size_t>(layers_);
     TORCH_CHECK(layers_ > 0 && w_.size() == 9 * L && kinds_.size() == 7 * L && biases_.size() == 3 * L && norms.size() == 4 * L &&
@@ -185,7 +187,7 @@ class NativeDecoder {
                                      std::vector<int64_t> capture) {
     TORCH_CHECK(num_layers >= 0 && num_layers <= layers_, "0 to ", layers_, " layers");
     TORCH_CHECK(kcaches.size() >= static_cast<size_t>(num_layers) && vcaches.size() == kcaches.size(), "a key and a value cache a layer");
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == norm_.size(0) && x.scalar_type() == norm_.scalar_type(), "x [n, hidden] of the model's dtype");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == norm_.size(0) && x.scalar_type() == dtype_, "x [n, hidden] of the model's dtype");
     const int64_t n = x.size(0), hidden = x.size(1);
     TORCH_CHECK(n > 0, "a pass of at least one row");
     for (int64_t l : capture) TORCH_CHECK(l >= 0 && l < num_layers, "cannot capture the state entering layer ", l);
@@ -218,7 +220,7 @@ class NativeDecoder {
     for (auto [w, kind, rows] : {std::tuple{&embed, embed_kind, vocab}, std::tuple{&head, head_kind, head_rows}}) {
       TORCH_CHECK(w->is_contiguous() && w->dim() == 2 && rows > 0, "a contiguous table");
       if (kind == DENSE) {
-        TORCH_CHECK(w->scalar_type() == norm_.scalar_type() && w->size(1) == hidden && w->size(0) == rows,
+        TORCH_CHECK(w->scalar_type() == dtype_ && w->size(1) == hidden && w->size(0) == rows,
                     "a dense table [rows, hidden] of the model's dtype");
       } else {
         TORCH_CHECK(w->scalar_type() == torch::kUInt8 && w->size(0) * qd::LANES >= rows && (w->size(0) - 1) * qd::LANES < rows,
@@ -308,10 +310,10 @@ class NativeDecoder {
     TORCH_CHECK(fed == tokens.numel(), "the query lengths add up to ", fed, ", tokens has ", tokens.numel());
     const int64_t* in = tokens.data_ptr<int64_t>();
     for (int64_t r = 0; r < fed; ++r) TORCH_CHECK(in[r] >= 0 && in[r] < vocab_, "token ", in[r], " is past the table's ", vocab_, " rows");
-    const auto options = norm_.options();
+    const auto options = norm_.options().dtype(dtype_);
     const int64_t hidden = norm_.size(0), padded = head_kind_ == DENSE ? head_rows_ : head_.size(0) * qd::LANES;
     const int64_t* ids = head_ids_.defined() ? head_ids_.data_ptr<int64_t>() : nullptr;
-    const bool f32 = norm_.scalar_type() == torch::kFloat32;
+    const bool f32 = dtype_ == torch::kFloat32;
     std::vector<std::vector<int64_t>> drafts(batch);
     std::vector<size_t> active(batch);
     for (size_t i = 0; i < batch; ++i) active[i] = i;
@@ -335,7 +337,7 @@ class NativeDecoder {
       for (int64_t l = 0; l < layers_; ++l) {
         pass.check(n, kcaches[l], vcaches[l]);
         specs_[l].check(pass, hidden, d_);
-        TORCH_CHECK(kcaches[l].size(3) == d_ && kcaches[l].scalar_type() == norm_.scalar_type(), "caches of the model's head size and dtype");
+        TORCH_CHECK(kcaches[l].size(3) == d_ && kcaches[l].scalar_type() == dtype_, "caches of the model's head size and dtype");
       }
       torch::Tensor normed = grown(normed_, n, hidden, options);
       layers(stream, pass, kcaches, vcaches, layers_, {}, torch::Tensor(), normed);
@@ -477,6 +479,7 @@ class NativeDecoder {
   std::vector<Projections> projections_;  // each layer's, prepared once (layer.h)
   std::vector<LayerSpec> specs_;          // each layer's norms, rotary tables, window and activation (layer.h)
   torch::Tensor norm_;
+  c10::ScalarType dtype_;  // the activations' (the norms may be float32 where they are bfloat16: Gemma)
   int64_t heads_, kv_heads_, d_, layers_ = 0, intermediate_ = 0;
   double eps_, scale_, embed_scale_;
   std::mutex mutex_;
@@ -499,8 +502,8 @@ void register_forward(pybind11::module& m) {
   pybind11::class_<NativeDecoder>(m, "NativeDecoder", "a model's decoder layers and final norm, run in one call a pass")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
                           std::vector<c10::optional<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<int64_t>, std::vector<int64_t>, int64_t, double, torch::Tensor, int64_t, int64_t, int64_t, double,
-                          double>())
+                          std::vector<int64_t>, std::vector<int64_t>, int64_t, double, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                          int64_t, double, double>())
       .def_property_readonly("num_layers", &NativeDecoder::num_layers)
       // the GIL is let go: a pass touches no Python object, and the server's other threads may run
       .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
