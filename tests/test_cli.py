@@ -74,6 +74,7 @@ def test_draft_with_another_vocabulary_is_refused(capsys, smollm2_path, qwen05_p
     code, _, err = run_cli(capsys, "generate", "hi", "--speculative-config",
                            '{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct"}')
     assert code == 2 and "vocabulary" in err
+    assert "(qwen2, 151936 tokens" in err and "(llama, 49152 tokens" in err  # both families, both sizes
     assert '"cross_tokenizer": true' in err  # the way to use such a draft: through text
 
 

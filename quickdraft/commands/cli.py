@@ -1,4 +1,4 @@
-"""``quickdraft generate | models | serve | bench | profile | check | train | advise``: one module
+"""``quickdraft generate | models | serve | bench | profile | check | fidelity | train | advise``: one module
 a subcommand, each with its ``register(subparsers)``; flags named like ``vllm serve``'s where they
 exist (arguments.py holds the shared ones).
 
@@ -19,7 +19,7 @@ from quickdraft.errors import QuickdraftError
 # in the order `quickdraft --help` lists them
 COMMANDS = ("quickdraft.commands.generate", "quickdraft.commands.models", "quickdraft.commands.serve",
             "quickdraft.bench.cli", "quickdraft.commands.profile", "quickdraft.commands.check",
-            "quickdraft.train.cli", "quickdraft.commands.advise")
+            "quickdraft.commands.fidelity", "quickdraft.train.cli", "quickdraft.commands.advise")
 
 
 def build_parser() -> argparse.ArgumentParser:

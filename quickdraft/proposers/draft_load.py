@@ -141,13 +141,15 @@ def head_rows(head, ids: torch.Tensor):
 
 
 def check_same_vocabulary(target, draft) -> None:
-    """A draft must speak the target's token ids, or its proposals mean nothing."""
+    """A draft must speak the target's token ids, or its proposals mean nothing. Its family may
+    differ (a Qwen2.5 draft for a Qwen3 target shares its tokenizer): the output stays the
+    target's either way, and only the ids decide whether drafting can work at all."""
     t, d = target.tokenizer, draft.tokenizer
     same = t.same_vocabulary(d) if t is not None and d is not None else t is d
     if target.config.vocab_size != draft.config.vocab_size or not same:
         raise ConfigError(
-            f"the draft model's vocabulary ({draft.config.vocab_size} tokens, {draft.source}) differs from "
-            f"the target's ({target.config.vocab_size} tokens, {target.source}); a draft must share the "
+            f"the draft model's vocabulary ({draft.config.arch}, {draft.config.vocab_size} tokens, {draft.source}) differs "
+            f"from the target's ({target.config.arch}, {target.config.vocab_size} tokens, {target.source}); a draft must share the "
             "target's tokenizer, or propose through text: add \"cross_tokenizer\": true to the speculative config "
             "(universal assisted generation: drafts re-encoded with the target's tokenizer)", "model",
         )

@@ -62,3 +62,10 @@ def test_speculation_equals_plain_decoding(targets, family: str, name: str, monk
         tokens, stats = generate(target, spec(target))
         assert tokens == plain, (family, name, method)
         assert stats.num_draft_tokens > 0, (family, name, method)  # it did speculate
+
+
+def test_a_draft_of_another_family_with_the_same_tokenizer(targets) -> None:
+    """A Qwen2 draft for a Qwen3 target (the pair shares a tokenizer): loaded, drafting, lossless."""
+    plain, _ = generate(targets["qwen3"], None)
+    tokens, stats = generate(targets["qwen3"], {"method": "draft_model", "model": targets["qwen2"], "num_speculative_tokens": 4})
+    assert tokens == plain and stats.num_draft_tokens > 0
