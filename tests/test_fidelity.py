@@ -56,19 +56,26 @@ def run(capsys, *argv: str) -> tuple[int, dict | str]:
 @pytest.mark.slow
 def test_the_float32_path_is_the_reference_and_the_default_is_close(capsys, smollm2_path, text_file) -> None:
     code, same = run(capsys, "--text", text_file, "--ctx", "64", "--chunks", "3", "--dtype", "float32",
-                     "--quantization", "none", "--no-llama-cpp", "--json")
+                     "--quantization", "none", "--no-llama-cpp", "--num-greedy-prompts", "2", "--greedy-tokens", "24",
+                     "--json")
     assert code == 0 and same["chunks"] == 3 and same["reference"]["tokens"] == 3 * 31
     s = same["paths"]["quickdraft"]
     assert s["kl_max"] == 0 and s["same_top_token"] == 1 and s["max_abs_dlogp"] == 0
     assert s["perplexity"] == pytest.approx(same["reference"]["perplexity"], rel=1e-12)
     assert same["llama_cpp"] == {"skipped": "--no-llama-cpp"}
+    assert [g["float32"] for g in same["greedy"]] == [{"first_difference": None}] * 2 and "llama.cpp" not in same["greedy"][0]
 
-    code, default = run(capsys, "--text", text_file, "--ctx", "64", "--chunks", "3", "--json")
+    code, default = run(capsys, "--text", text_file, "--ctx", "64", "--chunks", "3", "--greedy-tokens", "48", "--json")
     assert code == 0
     d = default["paths"]["quickdraft"]
     assert default["reference"]["perplexity"] == pytest.approx(same["reference"]["perplexity"], rel=1e-12)
     assert 0 < d["kl_mean"] < 0.05 and d["same_top_token"] > 0.8
     assert d["perplexity"] == pytest.approx(default["reference"]["perplexity"], rel=0.05)
+    assert len(default["greedy"]) == 5
+    for g in default["greedy"]:  # the built-in prompts: where bfloat16 on Q4_1 blocks leaves float32, if it does
+        at = g["float32"]["first_difference"]
+        assert at is None or (0 <= at < 48 and g["float32"]["quickdraft_token"] != g["float32"]["their_token"]
+                              and g["float32"]["margin_float32"] >= 0)
     if "llama.cpp" in default["paths"]:  # llama-cpp-python installed: the peer on the same chunks
         p = default["paths"]["llama.cpp"]
         assert p["tokens"] == d["tokens"] and 0 < p["kl_mean"] < 0.05 and p["same_top_token"] > 0.8
@@ -77,6 +84,7 @@ def test_the_float32_path_is_the_reference_and_the_default_is_close(capsys, smol
 @pytest.mark.parametrize("argv, needle", [
     (["--ctx", "7"], "--ctx must be an even number"),
     (["--chunks", "0"], "--chunks must be at least 1"),
+    (["--greedy-tokens", "0"], "--greedy-tokens must be at least 1"),
     (["--ctx", "4096"], "fewer than one chunk"),
     (["--text", "/no/such/file.txt"], "cannot be read"),
 ])

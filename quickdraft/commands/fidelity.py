@@ -10,6 +10,10 @@ blocks and bfloat16 activations by default. This command puts a number on that, 
 - *llama.cpp*: the same GGUF file through llama-cpp-python, where it is installed (``pip install
   -e '.[peers]'``), on its own default path.
 
+Then greedy decoding from a few short prompts, as a user sees the difference: where quickdraft's
+tokens first differ from float32's and from llama.cpp's, and the top-2 logit margin there (of
+quickdraft's path and of float32), which tells a near-tie from a real difference.
+
 The text is cut into chunks of ``--ctx`` tokens, each beginning with the BOS token where the model
 adds one, and only the second half of each chunk is scored, so that every scored token has at least
 ctx/2 tokens of context (llama-perplexity's rule). For each path: the perplexity of the text, and
@@ -30,6 +34,10 @@ import torch
 from quickdraft.errors import ConfigError, QuickdraftError
 
 
+GREEDY_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+                  "The three laws of thermodynamics state that", "Here is a list of the planets of the solar system:")
+
+
 def register(sub) -> None:
     from quickdraft.arguments import add_dtype_arg, add_switch
 
@@ -43,6 +51,9 @@ def register(sub) -> None:
     p.add_argument("--text", help="a UTF-8 text file (default: the MT-Bench questions, one after the other)")
     p.add_argument("--ctx", type=int, default=512, help="tokens a chunk; the second half of each is scored")
     p.add_argument("--chunks", type=int, default=4, help="chunks scored at most")
+    p.add_argument("--greedy-tokens", type=int, default=64, help="tokens decoded greedily from each short prompt")
+    p.add_argument("--num-greedy-prompts", type=int, default=len(GREEDY_PROMPTS),
+                   help=f"short prompts decoded greedily by each path (at most {len(GREEDY_PROMPTS)}; 0 skips it)")
     add_switch(p, "--llama-cpp", default=True, help="measure llama.cpp on the same GGUF file where llama-cpp-python "
                                                      "is installed")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
@@ -121,12 +132,56 @@ class LlamaCpp:
         self.vocab = vocab
         self.version = llama_cpp.__version__
 
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """llama.cpp's greedy continuation of ``ids``: the argmax of its logits, ``n`` times."""
+        self.llm.reset()
+        self.llm.eval(ids)
+        out: list[int] = []
+        for _ in range(n):
+            out.append(int(np.argmax(self.llm.scores[self.llm.n_tokens - 1])))
+            self.llm.eval(out[-1:])
+        return out
+
     def logits(self, chunk: list[int]) -> torch.Tensor:
         self.llm.reset()
         self.llm.eval(chunk)
         out = torch.full((len(chunk), self.vocab), float("-inf"))  # a padded embedding row is no token
         out[:, :self.llm.n_vocab()] = torch.from_numpy(np.asarray(self.llm.scores[:len(chunk)], dtype=np.float32))
         return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def greedy(reference, tested, peer, dtype: str, prompts: tuple[str, ...], n: int) -> list[dict]:
+    """Per prompt: where quickdraft's greedy tokens first differ from float32's and from llama.cpp's
+    (None: nowhere in ``n`` tokens), with the top-2 margins of quickdraft's path and of float32 at
+    that position."""
+    from quickdraft import LLM, SamplingParams
+    from quickdraft.measure import top2_margin
+    from quickdraft.models.decoder import Decoder
+
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    ids = [reference.tokenizer.encode(p) for p in prompts]
+    ours = [o.token_ids for o in LLM(tested, dtype=dtype).generate(ids, params)]
+    f32 = [o.token_ids for o in LLM(reference, dtype="float32").generate(ids, params)]
+    decoders = {"quickdraft": Decoder(tested.config, tested.weights), "float32": Decoder(reference.config, reference.weights)}
+    rows = []
+    for prompt, prefix, mine, ref in zip(prompts, ids, ours, f32):
+        row = {"prompt": prompt, "tokens": n}
+        for name, other in (("float32", ref), ("llama.cpp", peer.greedy(prefix, n) if peer else None)):
+            if other is None:
+                continue
+            at = first_difference(mine, other)
+            row[name] = {"first_difference": at}
+            if at is not None:
+                with torch.inference_mode():
+                    margins = {k: top2_margin(d, prefix + mine[:at]) for k, d in decoders.items()}
+                row[name] |= {"quickdraft_token": mine[at], "their_token": other[at],
+                              **{f"margin_{k}": m["margin"] for k, m in margins.items()}}
+        rows.append(row)
+    return rows
 
 
 def _gguf_path(model: str) -> str | None:
@@ -145,6 +200,8 @@ def measure(args) -> dict:
 
     if args.ctx < 8 or args.ctx % 2:
         raise ConfigError(f"--ctx must be an even number of tokens, at least 8, got {args.ctx}", "ctx")
+    if args.greedy_tokens < 1:
+        raise ConfigError(f"--greedy-tokens must be at least 1, got {args.greedy_tokens}", "greedy_tokens")
     if args.chunks < 1:
         raise ConfigError(f"--chunks must be at least 1, got {args.chunks}", "chunks")
     started = time.perf_counter()
@@ -182,12 +239,16 @@ def measure(args) -> dict:
         tallies["quickdraft"].add(ref, scored_logprobs(our_logits(tested, chunk), chunk), targets)
         if peer:
             tallies["llama.cpp"].add(ref, scored_logprobs(peer.logits(chunk), chunk), targets)
-    return {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "quantization": args.quantization,
+    name = str(dtype).removeprefix("torch.")
+    prompts = GREEDY_PROMPTS[:max(0, args.num_greedy_prompts)]
+    rows = greedy(reference, tested, peer, name, prompts, args.greedy_tokens) if prompts else []
+    return {"model": args.model, "dtype": name, "quantization": args.quantization,
             "ctx": args.ctx, "chunks": len(parts), "text_tokens": len(ids),
             "reference": {"tokens": int(sum(n.size for n in ref_nll)),
                           "perplexity": float(math.exp(np.concatenate(ref_nll).mean()))},
             "paths": {name: t.summary() for name, t in tallies.items()},
             "llama_cpp": {"version": peer.version} if peer else {"skipped": peer_note or "--no-llama-cpp"},
+            "greedy": rows,
             "seconds": time.perf_counter() - started}
 
 
@@ -203,7 +264,20 @@ def table(r: dict) -> str:
                      f"{s['kl_max']:9.5f} {100 * s['same_top_token']:7.2f}% {s['max_abs_dlogp']:10.4f}")
     if "skipped" in r["llama_cpp"]:
         lines.append(f"  llama.cpp: skipped ({r['llama_cpp']['skipped']})")
-    lines.append(f"\nKL in nats a token, KL(float32 || path); {r['seconds']:.0f}s")
+    lines.append("\nKL in nats a token, KL(float32 || path)")
+    if r["greedy"]:
+        lines += ["", f"greedy, {r['greedy'][0]['tokens']} tokens: where quickdraft's first differ, and the top-2 margin "
+                      "there (quickdraft's path / float32)"]
+        for row in r["greedy"]:
+            cells = []
+            for name in ("float32", "llama.cpp"):
+                d = row.get(name)
+                if d is None:
+                    continue
+                cells.append(f"{name}: identical" if d["first_difference"] is None else
+                             f"{name}: at {d['first_difference']}, margin {d['margin_quickdraft']:.3f} / {d['margin_float32']:.3f}")
+            lines.append(f"  {row['prompt'][:28]:28}  " + "; ".join(cells))
+    lines.append(f"\n{r['seconds']:.0f}s")
     return "\n".join(lines)
 
 
