@@ -17,8 +17,13 @@ Files: Red Hat's ``speculators`` format (what vLLM loads): ``config.json`` with
 ``speculators_model_type: "eagle3"``, ``transformer_layer_config``, ``draft_vocab_size``,
 ``eagle_aux_hidden_state_layer_ids`` and ``speculators_config`` (the verifier, i.e. the target),
 and ``model.safetensors`` with ``fc.weight``, ``layers.0.*``, ``norm.weight``, ``lm_head.weight``,
-``d2t``, ``t2d``. SpecForge / SGLang's layout (a plain Llama config with ``draft_vocab_size``,
-weights ``midlayer.*``) is read too. quickdraft adds a ``quickdraft`` key with the target's
+``d2t``, ``t2d``. The EAGLE authors' layout (a plain Llama config with ``draft_vocab_size``,
+architectures ``LlamaForCausalLMEagle3``, weights ``midlayer.*`` in ``pytorch_model.bin`` or
+safetensors: EAGLE3-LLaMA3.1-Instruct-8B), which SpecForge and SGLang write too, is read as well;
+where it does not name the target layers it reads, they are EAGLE's own choice (2, L/2, L-3) for
+the target it is loaded against. The layer's config is read as a model's is (models/hf.py): its
+rotary scaling (Llama 3.1's ``llama3``) in either transformers layout, and a key that changes the
+arithmetic and is not understood is an error. quickdraft adds a ``quickdraft`` key with the target's
 fingerprint, so that a head loaded against another target or vocabulary is a clear error.
 """
 
@@ -33,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.errors import ConfigError
+from quickdraft.errors import ConfigError, ModelFormatError
 from quickdraft.models import head_dir
+from quickdraft.models.rope import Rope, RopeScaling, hf_rope_scaling, inverse_frequencies, rope_from_hf
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config keys these files follow (checked against its source)
 _LAYER = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
@@ -76,13 +82,15 @@ class Eagle3Config:
     target: str  # the target's name (speculators' verifier name_or_path)
     target_key: str | None = None  # target_key(target); None: a head made elsewhere
     norm_before_residual: bool = False
+    rope_scaling: RopeScaling | None = None  # the layer's (models/rope.py), as its config says
 
     @classmethod
     def for_target(cls, model, draft_vocab_size: int, name: str | None = None) -> "Eagle3Config":
         c = model.config
         return cls(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
                    c.rope_theta, c.max_position_embeddings, c.vocab_size, draft_vocab_size,
-                   default_aux_layers(c.num_layers), name or c.name or str(model.source), target_key(model))
+                   default_aux_layers(c.num_layers), name or c.name or str(model.source), target_key(model),
+                   rope_scaling=c.rope_scaling)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,15 +98,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding, Hugging Face's rotate-half layout: x [..., n, heads, d], positions [..., n]."""
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, scaling: RopeScaling | None = None,
+           max_positions: int = 0) -> torch.Tensor:
+    """Rotary embedding, Hugging Face's rotate-half layout: x [..., n, heads, d], positions [..., n];
+    ``scaling``: the frequencies and factor of models/rope.py for a table of ``max_positions``."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    factor = 1.0
+    if scaling is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    else:
+        inv, factor = inverse_frequencies(Rope(theta, scaling), d, max_positions)
+        inv_freq = inv.float().to(x.device)
     angles = positions.float().unsqueeze(-1) * inv_freq  # [..., n, d/2]
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(-2)  # [..., n, 1, d]
     xf = x.float()
     rotated = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
-    return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)
+    cos, sin = (angles.cos(), angles.sin()) if factor == 1.0 else (angles.cos() * factor, angles.sin() * factor)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class Eagle3Head(nn.Module):
@@ -139,7 +155,8 @@ class Eagle3Head(nn.Module):
         q = self.q_proj(x).view(*shape, c.num_heads, c.head_dim)
         k = self.k_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
-        return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v, residual
+        turn = (c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        return rotate(q, positions, *turn), rotate(k, positions, *turn), v, residual
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [..., n, heads * d] -> the layer's output before the final norm [..., n, H] (the
@@ -213,6 +230,8 @@ def speculators_config(head: Eagle3Head, num_speculative_tokens: int = 3, extra:
              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu",
              "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+    if c.rope_scaling is not None:
+        layer["rope_scaling"] = hf_rope_scaling(c.rope_scaling)
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -239,12 +258,15 @@ def save(head: Eagle3Head, path: str | Path, num_speculative_tokens: int = 3, ex
     return head_dir.save(path, head.state(), speculators_config(head, num_speculative_tokens, extra))
 
 
-def load(path: str | Path) -> Eagle3Head:
-    """A head from a directory in the speculators format or SpecForge's (``midlayer.*``)."""
+def load(path: str | Path, target_layers: int | None = None) -> Eagle3Head:
+    """A head from a directory in the speculators format or EAGLE's own (``midlayer.*``);
+    ``target_layers``: the target's layer count, for a file that does not name the layers it reads."""
     path = Path(path)
     doc, w = head_dir.load(path, "an EAGLE-3 head")
     w = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v for k, v in w.items()}
-    config = _config(doc, w, path)
+    # EAGLE's own files carry the target's embedding, which the head reads from the target itself
+    w.pop("embed_tokens.weight", None)
+    config = _config(doc, w, path, target_layers)
     if "d2t" in w:
         ids = w["d2t"].long() + torch.arange(w["d2t"].numel())
     else:  # a head over the whole vocabulary
@@ -254,27 +276,78 @@ def load(path: str | Path) -> Eagle3Head:
     return head.eval()
 
 
-def _config(doc: dict, w: dict, path: Path) -> Eagle3Config:
+# the keys of a speculators config.json beside its layer's (Eagle3SpeculatorConfig and its base)
+_SPECULATORS_KEYS = frozenset((
+    "architectures", "speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
+    "draft_vocab_size", "norm_before_residual", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+    "embed_requires_grad", "transformers_version", "torch_dtype", "dtype", "quickdraft",
+    "norm_before_fc", "fc_norm", "norm_output",  # refused below when set
+))
+# the layer's own keys beyond a Llama model's (EAGLE's and SpecForge's Llama-shaped config)
+_LAYER_KEYS = ("draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
+               "target_hidden_size", "attention_bias", "mlp_bias")
+
+
+def _check_keys(doc: dict, layer: dict, path: Path) -> None:
+    """Every key of the head's config is one quickdraft reads or one that changes nothing (the rule
+    of models/hf.py for a model's config)."""
+    from quickdraft.models.hf import _COMMON, _INERT
+
+    if layer is not doc:
+        extra = sorted(k for k in doc if k not in _SPECULATORS_KEYS)
+        if extra:
+            raise ConfigError(f"{path}/config.json key(s) {', '.join(extra)} are not understood for an EAGLE-3 head")
+    extra = sorted(k for k in layer if k not in _INERT and k not in _COMMON and k not in _LAYER_KEYS
+                   and not (layer is doc and k in _SPECULATORS_KEYS))
+    if extra:
+        raise ConfigError(f"{path}/config.json: the head's layer key(s) {', '.join(extra)} are not understood")
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key):
+            raise ConfigError(f"{path}/config.json: {key} is set; EAGLE-3 heads have none")
+    act = layer.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{path}/config.json: hidden_act {act!r}; an EAGLE-3 head's MLP is SiLU-gated")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"{path}/config.json: {layer['num_hidden_layers']} layers; an EAGLE-3 head has one")
+
+
+def _config(doc: dict, w: dict, path: Path, target_layers: int | None = None) -> Eagle3Config:
     if doc.get("speculators_model_type", "eagle3") != "eagle3":
         raise ConfigError(f"{path} holds a {doc['speculators_model_type']!r} speculator, not an EAGLE-3 head")
     unsupported = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if doc.get(k)]
     if unsupported:  # later speculators variants (gpt-oss style, EAGLE 3.1): another network
         raise ConfigError(f"the EAGLE-3 head at {path} sets {unsupported}, variants quickdraft does not run yet")
-    layer = doc.get("transformer_layer_config", doc)  # SpecForge: the Llama config is the file
+    speculators = "transformer_layer_config" in doc
+    layer = doc["transformer_layer_config"] if speculators else doc  # EAGLE, SpecForge: the Llama config is the file
+    _check_keys(doc, layer, path)
     ours = doc.get("quickdraft", {})
     verifier = doc.get("speculators_config", {}).get("verifier", {}).get("name_or_path") or ""
     H = layer["hidden_size"]
     heads = layer["num_attention_heads"]
-    aux = doc.get("eagle_aux_hidden_state_layer_ids") or doc.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    target_hidden = doc.get("target_hidden_size") or layer.get("target_hidden_size")
+    if target_hidden not in (None, H):
+        raise ConfigError(f"{path}/config.json: target_hidden_size {target_hidden} differs from the head's {H}; "
+                          "quickdraft runs heads as wide as their target")
+    head_dim = layer.get("head_dim") or H // heads
+    try:
+        rope = rope_from_hf(layer, head_dim, f"{path}/config.json")
+    except ModelFormatError as e:
+        raise ConfigError(str(e)) from None
+    if rope.rotary_dim is not None:
+        raise ConfigError(f"{path}/config.json: partial rotary embeddings are not supported in a head")
+    aux = doc.get("eagle_aux_hidden_state_layer_ids") or (doc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is None and target_layers is not None:
+        aux = default_aux_layers(target_layers)  # what EAGLE's code and vLLM take for such a file
     if aux is None:
         raise ConfigError(f"{path}/config.json does not say which target layers the head reads "
                           "(eagle_aux_hidden_state_layer_ids)")
     n = doc.get("draft_vocab_size") or layer.get("draft_vocab_size") or w["lm_head.weight"].shape[0]
+    # speculators' default is True (vLLM reads it so); EAGLE's own layout has no such norm
+    before = doc.get("norm_before_residual", speculators)
     return Eagle3Config(H, layer["intermediate_size"], heads, layer.get("num_key_value_heads", heads),
-                        layer.get("head_dim") or H // heads, layer.get("rms_norm_eps", 1e-6),
-                        float(layer.get("rope_theta", 10000.0)), layer.get("max_position_embeddings", 4096),
-                        layer["vocab_size"], int(n), tuple(aux), verifier, ours.get("target_key"),
-                        bool(doc.get("norm_before_residual", False)))
+                        head_dim, layer.get("rms_norm_eps", 1e-6), rope.theta,
+                        layer.get("max_position_embeddings", 4096), layer["vocab_size"], int(n), tuple(aux), verifier,
+                        ours.get("target_key"), bool(before), rope.scaling)
 
 
 def check_target(config: Eagle3Config, model, source: str) -> None:

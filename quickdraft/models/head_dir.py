@@ -27,8 +27,8 @@ def save(path: str | Path, state: dict[str, torch.Tensor], config: dict) -> Path
 
 
 def load(path: str | Path, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, the weights of every *.safetensors file) of ``path``; ``what`` names the head
-    in the errors ("an EAGLE-3 head", "Medusa heads")."""
+    """(config.json, the weights of every *.safetensors file, else of pytorch_model.bin) of
+    ``path``; ``what`` names the head in the errors ("an EAGLE-3 head", "Medusa heads")."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -37,9 +37,15 @@ def load(path: str | Path, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}/config.json cannot be read as the config of {what}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path} holds no *.safetensors weights")
     weights = {}
     for f in files:
         weights.update(load_file(str(f)))
+    if not files and (path / "pytorch_model.bin").is_file():
+        # EAGLE's published heads (EAGLE3-LLaMA3.1-Instruct-8B): a torch pickle, read as tensors only
+        try:
+            weights = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure: a file that is not plain tensors
+            raise ConfigError(f"{path}/pytorch_model.bin cannot be read as tensors: {e}") from None
+    elif not files:
+        raise ConfigError(f"{path} holds no *.safetensors (or pytorch_model.bin) weights")
     return doc, weights

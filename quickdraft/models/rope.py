@@ -103,6 +103,19 @@ def _rotary_dim(fraction: Any, head_dim: int, source: str, key: str) -> int | No
     return None if dim == head_dim else dim
 
 
+def hf_rope_scaling(s: RopeScaling) -> dict:
+    """``s`` as transformers 4's ``rope_scaling`` dict, which rope_from_hf reads back as ``s``."""
+    if s.kind == "factors":
+        raise ValueError("per-frequency factors (a GGUF's rope_freqs) have no transformers form")
+    out: dict = {"rope_type": s.kind, "factor": s.factor}
+    names = ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+             "attention_factor", "mscale", "mscale_all_dim", "truncate")
+    out |= {n: getattr(s, n) for n in names if getattr(s, n) is not None}
+    if s.kind == "dynamic":  # read back from max_position_embeddings, not from the dict
+        out.pop("original_max_position_embeddings", None)
+    return out
+
+
 def whole_head_only(rope: Rope, head_dim: int, source: str) -> Rope:
     """``rope`` when it turns every dim of a head. The loaders do not reorder the q/k rows that
     partial rotary needs (partial_rotary_order), so a partial one is refused, never computed wrong."""

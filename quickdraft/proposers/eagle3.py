@@ -63,7 +63,7 @@ class Eagle3Proposer:
             head, source = spec.model, "given"
         else:
             path = resolve_dir(spec, ctx.target, "eagle3")
-            head, source = head_file.load(path), str(path)
+            head, source = head_file.load(path, ctx.target.config.num_layers), str(path)
         head_file.check_target(head.config, ctx.target, source)
         timed = spec.adaptive and ctx.decoder is not None
         return cls(head, ctx.target.weights, ctx.target.config.vocab_size, ctx.num_slots, ctx.max_model_len, ctx.device,
