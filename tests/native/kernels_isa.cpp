@@ -118,12 +118,13 @@ int64_t QD_NAME(tile_bytes)(int kind, int64_t K) {
 // attention.h: a chain (start null: row j over keys 0..ctx+j) or a tree (attend_tree's start,
 // path, hidden) over K, V [Hkv, L, d], float32 (bf16 = 0) or bfloat16
 void QD_NAME(attend)(int bf16, const float* Q, const void* K, const void* V, int64_t L, float* O, int64_t m, int64_t H,
-                     int64_t Hkv, int64_t d, int64_t ctx, int64_t hidden, const int64_t* start, const int64_t* path, float scale) {
+                     int64_t Hkv, int64_t d, int64_t ctx, int64_t hidden, const int64_t* start, const int64_t* path, float scale,
+                     int64_t window) {
   auto run = [&](auto* k, auto* v) {
     if (start == nullptr) {
-      qd::attend_chain(Q, k, v, L * d, d, O, m, H, Hkv, d, ctx, scale);
+      qd::attend_chain(Q, k, v, L * d, d, O, m, H, Hkv, d, ctx, scale, window);
     } else {
-      qd::attend_tree(Q, k, v, L * d, d, O, m, H, Hkv, d, ctx, hidden, start, path, scale);
+      qd::attend_tree(Q, k, v, L * d, d, O, m, H, Hkv, d, ctx, hidden, start, path, scale, window);
     }
   };
   if (bf16) {
@@ -149,13 +150,16 @@ void QD_NAME(store_bf16)(const float* x, uint16_t* y, int64_t n) {
 // [n, h] into y as int64 pairs (its index, whether the row is finite); 6 each row's sample_one of a
 // [n, h] at temperature 0.7 (row 0: 0, greedy) with u = (r + 0.5) / n: q into y [n, h] float32,
 // then the n tokens as floats; 7 as 6 at temperature 0.7 with each row's filters: row r % 4 = 0
-// top-k 20, 1 top-p 0.9, 2 min-p 0.05, 3 all three (top-k 50, top-p 0.8, min-p 0.02)
+// top-k 20, 1 top-p 0.9, 2 min-p 0.05, 3 all three (top-k 50, top-p 0.8, min-p 0.02); 8
+// gelu_tanh(a) * b (Gemma's MLP); 9 RMSNorm of rows [n, h] with a float32 weight b (Gemma's)
 void QD_NAME(rowwise)(int op, int bf16, const void* a, const void* b, void* y, int64_t n, int64_t h) {
   auto run = [&](auto* A, auto* B, auto* Y) {
     if (op == 0) qd::rms_rows(A, B, Y, n, h, 1e-6f);
     if (op == 1) qd::add_values(A, B, Y, n * h);
     if (op == 2) qd::mul_values(A, B, Y, n * h);
     if (op == 4) qd::silu_mul_values(A, B, Y, n * h);
+    if (op == 8) qd::act_mul_values(qd::GELU_TANH, A, B, Y, n * h);
+    if (op == 9) qd::rms_rows(A, static_cast<const float*>(b), Y, n, h, 1e-6f);
   };
   if (op == 6 || op == 7) {
     auto* q = static_cast<float*>(y);

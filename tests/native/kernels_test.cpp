@@ -24,7 +24,7 @@
   extern "C" int p##_sanitize(int, uint8_t*, int64_t, int64_t);                                                            \
   extern "C" int64_t p##_tile_bytes(int, int64_t);                                                                        \
   extern "C" void p##_attend(int, const float*, const void*, const void*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, \
-                             int64_t, int64_t, const int64_t*, const int64_t*, float);                                     \
+                             int64_t, int64_t, const int64_t*, const int64_t*, float, int64_t);                            \
   extern "C" void p##_exp_neg(const float*, float*, int64_t);                                                              \
   extern "C" void p##_store_bf16(const float*, uint16_t*, int64_t);                                                         \
   extern "C" void p##_rowwise(int, int, const void*, const void*, void*, int64_t, int64_t);
@@ -53,7 +53,7 @@ struct Kernels {
   int (*sanitize)(int, uint8_t*, int64_t, int64_t);
   int64_t (*tile_bytes)(int, int64_t);
   void (*attend)(int, const float*, const void*, const void*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                 int64_t, const int64_t*, const int64_t*, float);
+                 int64_t, const int64_t*, const int64_t*, float, int64_t);
   void (*exp_neg)(const float*, float*, int64_t);
   void (*store_bf16)(const float*, uint16_t*, int64_t);
   void (*rowwise)(int, int, const void*, const void*, void*, int64_t, int64_t);
@@ -293,6 +293,43 @@ void test_rowwise(const Kernels& k, const Kernels& ref) {
       check(special, isa + type + " silu_mul keeps NaN and infinity");
       check(worst < (bf16 ? 8e-3 : 1e-6), isa + type + " silu_mul close to exact (" + std::to_string(worst) + ")");
     }
+    {  // GELU-tanh(a) * b (Gemma 3's MLP): the portable bits, close to the exact value
+      std::vector<float> y(count), yr(count);
+      std::vector<uint16_t> yh(count), yhr(count);
+      k.rowwise(8, bf16, a, b, bf16 ? static_cast<void*>(yh.data()) : y.data(), 1, count);
+      ref.rowwise(8, bf16, a, b, bf16 ? static_cast<void*>(yhr.data()) : yr.data(), 1, count);
+      check(bf16 ? yh == yhr : std::memcmp(y.data(), yr.data(), sizeof(float) * count) == 0, isa + type + " gelu_mul equals portable");
+      double worst = 0.0;
+      for (int64_t i = 0; i < count; ++i) {
+        const double x = A[i];
+        const double g = std::isinf(x) ? (x > 0 ? x : 0.0) : 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+        const double want = (bf16 ? widen(torch_bf16(static_cast<float>(g))) : g) * B[i];
+        const double v = bf16 ? widen(yh[i]) : y[i];
+        if (!std::isnan(want) && !std::isinf(want)) worst = std::max(worst, std::abs(v - want) / (std::abs(want) + 1e-6));
+      }
+      check(worst < (bf16 ? 8e-3 : 1e-5), isa + type + " gelu_mul close to exact (" + std::to_string(worst) + ")");
+    }
+    if (bf16) {  // RMSNorm of bfloat16 rows with a float32 weight (Gemma's 1 + w): portable bits, close to exact
+      const int64_t n = 9, h = 640;
+      std::vector<float> X(n * h), W(h);
+      std::vector<uint16_t> Xh(X.size()), yh(X.size()), yhr(X.size());
+      for (size_t i = 0; i < X.size(); ++i) X[i] = widen(Xh[i] = torch_bf16(3.0f * normal(rng)));
+      for (auto& v : W) v = 1.0f + 0.1f * normal(rng);  // not bfloat16 values: the weight's own bits count
+      k.rowwise(9, 1, Xh.data(), W.data(), yh.data(), n, h);
+      ref.rowwise(9, 1, Xh.data(), W.data(), yhr.data(), n, h);
+      check(yh == yhr, isa + " bf16 RMSNorm with a float32 weight equals portable");
+      double worst = 0.0;
+      for (int64_t r = 0; r < n; ++r) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < h; ++i) ss += static_cast<double>(X[r * h + i]) * X[r * h + i];
+        const double inv = 1.0 / std::sqrt(ss / h + 1e-6);
+        for (int64_t i = 0; i < h; ++i) {
+          const double want = X[r * h + i] * inv * W[i];
+          worst = std::max(worst, std::abs(widen(yh[r * h + i]) - want) / (std::abs(want) + 1e-3));
+        }
+      }
+      check(worst < 4e-3, isa + " bf16 RMSNorm with a float32 weight rounds once (" + std::to_string(worst) + ")");
+    }
     {  // argmax_row: sampling.argmax_rows's index (lowest on ties, first NaN) and the row's finiteness,
        // rows of every length past a multiple of 16 (the tail padded), all negative or not
       const int64_t h = 16 * 9 + 5;
@@ -450,7 +487,7 @@ void test_attention(const Kernels& k, const Kernels& ref) {
       const void* V = half ? static_cast<const void*>(Vh.data()) : Vf.data();
       const float scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
       auto chain = [&](const Kernels& kk, const float* q, int64_t rows, int64_t c, const void* kc, const void* vc, float* out) {
-        kk.attend(half, q, kc, vc, L, out, rows, sh.H, sh.Hkv, sh.d, c, 0, nullptr, nullptr, scale);
+        kk.attend(half, q, kc, vc, L, out, rows, sh.H, sh.Hkv, sh.d, c, 0, nullptr, nullptr, scale, 0);
       };
       std::vector<float> full(m * N), part(N), fr(m * N);
       chain(k, Q.data(), m, ctx, K, V, full.data());
@@ -473,8 +510,8 @@ void test_attention(const Kernels& k, const Kernels& ref) {
         start.push_back(static_cast<int64_t>(path.size()));
       }
       std::vector<float> tree(m * N), tr(m * N);
-      k.attend(half, Q.data(), K, V, L, tree.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale);
-      ref.attend(half, Q.data(), K, V, L, tr.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale);
+      k.attend(half, Q.data(), K, V, L, tree.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale, 0);
+      ref.attend(half, Q.data(), K, V, L, tr.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale, 0);
       check(tree == tr, what + ": tree equals portable");
       bool as_chain = true;  // node j's row: the last row of the chain over the context and its path
       for (int64_t j = 0; j < m; ++j) {
@@ -493,6 +530,28 @@ void test_attention(const Kernels& k, const Kernels& ref) {
         as_chain = as_chain && std::memcmp(part.data(), tree.data() + j * N, sizeof(float) * N) == 0;
       }
       check(as_chain, what + ": each tree row equals the chain row of its history");
+
+      // a sliding window of W positions (Mistral's, Gemma 3's local layers): each chain row is the
+      // row over its last W keys alone, unwindowed (the keys start later, nothing else changes);
+      // chain and tree have the portable bits
+      const int64_t W = 9;
+      std::vector<float> win(m * N), winr(m * N), slice(N);
+      k.attend(half, Q.data(), K, V, L, win.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, nullptr, nullptr, scale, W);
+      ref.attend(half, Q.data(), K, V, L, winr.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, nullptr, nullptr, scale, W);
+      check(win == winr, what + ": windowed chain equals portable");
+      bool sliced = true;
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t first = ctx + j + 1 - W;  // keys first .. ctx + j
+        const void* kc = half ? static_cast<const void*>(Kh.data() + first * sh.d) : Kf.data() + first * sh.d;
+        const void* vc = half ? static_cast<const void*>(Vh.data() + first * sh.d) : Vf.data() + first * sh.d;
+        chain(k, Q.data() + j * N, 1, W - 1, kc, vc, slice.data());
+        sliced = sliced && std::memcmp(slice.data(), win.data() + j * N, sizeof(float) * N) == 0;
+      }
+      check(sliced, what + ": each windowed row is the row over its last W keys");
+      check(win != full, what + ": the window drops keys");
+      k.attend(half, Q.data(), K, V, L, tree.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale, W);
+      ref.attend(half, Q.data(), K, V, L, tr.data(), m, sh.H, sh.Hkv, sh.d, ctx, 0, start.data(), path.data(), scale, W);
+      check(tree == tr, what + ": windowed tree equals portable");
     }
 }
 }  // namespace
