@@ -5,6 +5,7 @@ reused."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -15,6 +16,7 @@ import torch
 
 from quickdraft.errors import ModelFormatError
 from quickdraft.models import gguf as qgguf
+from quickdraft.models.families import FAMILIES
 from quickdraft.models import loader
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.tokenizer import Tokenizer, _byte_alphabet
@@ -205,7 +207,8 @@ def write_tiny_model(
     if tied:
         del hf["lm_head.weight"]
     to_gguf = {v: k for k, v in {**qgguf._GLOBAL_NAMES}.items()}
-    to_gguf |= {f"model.layers.0.{v}.{s}": f"blk.0.{k}.{s}" for k, v in qgguf._BLOCK_NAMES.items() for s in ("weight", "bias")}
+    to_gguf |= {f"model.layers.0.{v}.{s}": f"blk.0.{k}.{s}" for k, v in FAMILIES[arch].gguf_block_names().items()
+              for s in ("weight", "bias")}
     tensors = {}
     for name, w in hf.items():
         if arch == "llama" and ".q_proj." in name:
@@ -271,10 +274,11 @@ def test_unknown_tensor_and_unsupported_type(tmp_path: Path, monkeypatch: pytest
         qgguf.dequantize_tensor(reader.tensors[0], str(path))
     monkeypatch.undo()
 
-    # Llama 3.1's rope scaling travels as an extra tensor: refuse it rather than ignore it.
-    extra, _ = write_tiny_model(tmp_path / "b.gguf", extra={"rope_freqs.weight": np.ones(4, np.float32)})
-    with pytest.raises(ModelFormatError, match=r"b\.gguf: tensor rope_freqs\.weight"):
-        qgguf.load_gguf(extra, progress=False)
+    # a tensor the family does not use (a mixture of experts' router, a q norm Llama has not): refused, not ignored
+    for name in ("blk.0.ffn_gate_inp.weight", "blk.0.attn_q_norm.weight"):
+        extra, _ = write_tiny_model(tmp_path / "b.gguf", extra={name: np.ones(4, np.float32)})
+        with pytest.raises(ModelFormatError, match=rf"b\.gguf: tensor {re.escape(name)}"):
+            qgguf.load_gguf(extra, progress=False)
 
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:
