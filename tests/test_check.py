@@ -107,3 +107,20 @@ def test_verdict():
     assert verdict(_result(True, True, p_value=1e-4), 1e-3)["verdict"] == "FAIL"
     idle = verdict(_result(True, True, drafts=0), 1e-3)  # nothing drafted: nothing verified
     assert idle["verdict"] == "PASS" and "no draft token" in idle["warnings"][0]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma3"])
+def test_check_passes_on_every_family(capsys, tmp_path, family):
+    """A tiny random model of each family (tests/models/families.py: Llama 3's rope scaling,
+    Mistral's window, Qwen3's q/k norms, Gemma 3's local and global layers) from its Hugging Face
+    directory."""
+    from tests.models.families import random_model, save_hf_dir
+
+    path = save_hf_dir(random_model(family, seed=2), tmp_path / "hf")
+    prompts = tmp_path / "prompts.jsonl"  # short: the tiny models hold 128 positions
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("abcabcabcabc", "hello hello", "xyz")))
+    spec = {"method": "layer_skip", "num_speculative_tokens": 3, "skip_layers": [1]}
+    code, r = _check(capsys, path, "bfloat16", spec, *SHORT, "--prompts", str(prompts), "--max-tokens", "24")
+    assert (code, r["verdict"], r["failures"]) == (0, "PASS", [])
+    assert r["greedy"]["identical"] == r["greedy"]["num_prompts"] == 3
+    assert sum(p["num_draft_tokens"] for p in r["greedy"]["prompts"]) > 0

@@ -96,6 +96,10 @@ def check(args) -> int:
     spec = dataclasses.replace(spec, adaptive=False)
     if spec.method == "draft_model" and spec.model == args.model:
         spec = dataclasses.replace(spec, model=target)
+    if not args.prompts and target.tokenizer is not None and target.tokenizer.chat_template is None:
+        # a base model (Gemma 3 270M): the built-in chats' questions go in as plain text
+        prompts = [p if p.prompt is not None else dataclasses.replace(p, prompt=p.messages[-1]["content"], messages=[])
+                   for p in prompts]
     texts = [render(p, target.tokenizer, []) for p in prompts]
     ids = [target.tokenizer.encode(t) for t in texts]
     longest = max(len(i) for i in ids) + max(args.max_tokens, args.sample_tokens) + spec.num_speculative_tokens + 1

@@ -109,3 +109,16 @@ def test_speculation_equals_plain_on_the_gguf_blocks(path, spec: dict) -> None:
     assert llm.engine.stats.num_draft_tokens > 0
     if spec["method"] != "layer_skip":
         assert llm.engine.stats.num_accepted_tokens > 0  # the repeated lines get accepted drafts
+
+
+def test_check_passes_on_the_base_model(path, capsys) -> None:
+    """`quickdraft check` by name: the built-in chat prompts go in as plain text (no chat template)."""
+    import json
+
+    from quickdraft.commands.cli import main
+
+    code = main(["check", "--model", "gemma3-270m", "--speculative-config", '{"method": "ngram"}', "--num-prompts", "3",
+                 "--max-tokens", "16", "--num-seeds", "16", "--num-sampled-prompts", "1", "--sample-tokens", "4", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert (code, r["verdict"]) == (0, "PASS") and r["greedy"]["identical"] == 3
+    assert [p["prompt"] for p in r["greedy"]["prompts"]] == ["code", "repeat", "primes"]  # "primes" is a chat
