@@ -125,8 +125,8 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = False, shortha
                     "(they take a little memory and a capture on each new shape; default: off)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: one per physical core this process may run on); "
-                        "OpenMP threads spin while they wait, or wait passively where the cores are busy already "
-                        "(the load average), unless $OMP_WAIT_POLICY or $GOMP_SPINCOUNT says otherwise")
+                        "and fewer while other processes keep cores busy; OpenMP threads spin while they wait, "
+                        "unless $OMP_WAIT_POLICY or $GOMP_SPINCOUNT says otherwise")
 
 
 def add_dtype_arg(p, help: str = "the activations' (and dense weights') dtype; auto: bfloat16 on the CPU kernels"):

@@ -11,20 +11,21 @@ runs: quiet, spinning 25.2 and 27.5, passive 15.2 and 21.1; beside one CPU-bound
 spinning 9.3 and 7.3, passive 18.1 and 19.4 (spin counts of 3,000 and 30,000 were worse than
 either where it mattered).
 
-So the policy is chosen when quickdraft loads, from the 1-minute load average (``busy``): passive
-where other work already keeps half the usable cores busy, libgomp's spinning otherwise. A user's
-own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` always wins.
-
-The wait policy is fixed once loaded, and the load average lags a minute, so a process that starts
-after quickdraft still found its threads spinning. The thread count can change at any time, so
-``ThreadGovernor`` follows the other processes while the engine runs: every half second it reads
-how much of the machine's CPU time went to other processes (/proc/stat, quickdraft/cost.py's
+libgomp reads its policy once, when it loads, and so cannot follow the machine; the thread count
+can change at any time. So quickdraft leaves libgomp's spinning as it is and follows the other
+processes with the count: ``ThreadGovernor``, every half second while the engine runs, reads how
+much of the machine's CPU time went to other processes (/proc/stat, quickdraft/cost.py's
 ``others_share``) and runs the passes on the cores they leave free, at least one, back up to the
-start's count when they go. One thread on a core of its own beats two that wait on each other
-beside a busy process (the 1.5B beside one CPU-bound process, docs/design/threads-and-profile.md).
-The kernels give a row the same bits whatever the thread count (each output is one thread's), so
-it changes no output; it is off where the layers do not run on the kernels, and where the user
-chose the count (``--threads``, ``OMP_NUM_THREADS``).
+start's count when they go. On the cores left free a thread has no one to wait for, so spinning
+costs nothing there: measured on a 2-core AMD EPYC Zen 4, the 1.5B, 2 x 128 tokens, three runs
+each, interleaved (2026-12-07): quiet, spinning 31.3, 33.8, 33.0 tok/s and passive 26.4, 27.5,
+28.0; beside one CPU-bound process, spinning 25.3, 27.3, 27.3 and passive 26.7, 27.8, 26.7.
+(Choosing passive waits at start from the load average, as quickdraft once did, made a process
+started after a busy minute slow for its whole life.) The kernels give a row the same bits
+whatever the thread count (each output is one thread's), so the count changes no output; the
+governor is off where the layers do not run on the kernels, and where the user chose the count
+(``--threads``, ``OMP_NUM_THREADS``). A user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is
+libgomp's to read, as always: passive waits still suit a count pinned beside busy processes.
 
 In a container with a CPU limit (Kubernetes' ``limits.cpu``, ``docker run --cpus``), the process
 may run on all the node's cores (its affinity) but for only the limit's worth of CPU time (its
@@ -33,14 +34,12 @@ the last of them. So the default count is the affinity's cores or the quota's wh
 whichever is fewer (``usable_cpus``), as Go's runtime and the JVM read the quota (``cpu_quota``).
 
 Terms: the *wait policy* is ``OMP_WAIT_POLICY`` (passive: sleep at once); libgomp reads it once,
-when it is loaded (with ``import torch``), so ``passive_waits`` must be around that import. The
-*thread count* is torch's intra-op threads (``torch.set_num_threads``), which the kernels' parallel
+when it is loaded (with ``import torch``). The *thread count* is torch's intra-op threads (``torch.set_num_threads``), which the kernels' parallel
 regions follow too (both ask the calling thread's OpenMP setting).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -48,10 +47,6 @@ import time
 from pathlib import Path
 
 from quickdraft.errors import ConfigError
-
-# the variables a user sets to choose libgomp's waits; any of them set leaves the choice to them
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
 
 def _affinity() -> int:
     """The cores this process may run on."""
@@ -120,34 +115,6 @@ def fit_to_quota() -> None:
     usable = usable_cpus()
     if not _pinned and torch.get_num_threads() > usable:
         torch.set_num_threads(usable)
-
-
-def busy(load: float | None = None, cpus: int | None = None) -> bool:
-    """Whether other work keeps this machine's cores busy already: a 1-minute load average of at
-    least half the cores this process may use (and at least 1)."""
-    try:
-        load = os.getloadavg()[0] if load is None else load
-    except OSError:  # no load average on this OS
-        return False
-    if cpus is None:
-        cpus = _affinity()
-    return load >= max(1.0, cpus / 2)
-
-
-@contextlib.contextmanager
-def passive_waits():
-    """Within: OpenMP threads are made to wait passively when the runtime loads (import torch
-    here) if the cores are ``busy``, unless the user chose a policy or it is loaded already (then
-    it is too late). The variable is set only meanwhile, so child processes (a peer server the
-    bench starts, built with OpenMP too) keep their own default."""
-    chosen = "torch" in sys.modules or any(v in os.environ for v in WAIT_VARIABLES) or not busy()
-    if not chosen:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        if not chosen:
-            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 _pinned = "OMP_NUM_THREADS" in os.environ  # the user chose the count: nothing changes it
