@@ -92,15 +92,21 @@ def add_switch(p, name: str, default: bool | None = False, help: str | None = No
     return add_flag(p, name, action=Switch, default=default, help=help, deprecated=deprecated, **kwargs)
 
 
-def add_model_args(p: argparse.ArgumentParser, positional: bool = False, shorthands: bool = True) -> None:
-    """The model and speculative flags shared by generate, serve, profile and check; ``positional``:
-    the model may also come first, as ``vllm serve MODEL`` takes it (``resolve_model_args``).
+def add_model_positional(p: argparse.ArgumentParser) -> None:
+    """MODEL as the first positional, as ``vllm serve MODEL`` takes it; ``resolve_model_args``
+    makes it ``args.model`` (naming two different models is an error)."""
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it")
+
+
+def add_model_args(p: argparse.ArgumentParser, positional: bool = True, shorthands: bool = True) -> None:
+    """The model and speculative flags shared by generate, serve, profile, check and bench;
+    ``positional``: the model may also come first, as ``vllm serve MODEL`` takes it
+    (``resolve_model_args``; generate reads its own words).
     ``--draft-model`` and ``--num-speculative-tokens`` are shorthands for the speculative config's
     ``model`` and ``num_speculative_tokens`` (``speculative_config``); a command that sweeps them
     (bench) passes ``shorthands=False`` and names its own."""
     if positional:
-        p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
-                       help="the model, as --model takes it")
+        add_model_positional(p)
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="a built-in name (see `quickdraft models`), a .gguf file or a Hugging Face directory")
     p.add_argument("--speculative-config", default=None,
@@ -119,7 +125,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = False, shortha
                    help="gguf: run a GGUF model on its stored block-quantized weights (Q4_K, Q6_K, Q8_0, ...), "
                         "--dtype being the activations'; none: dequantize them to --dtype; auto (default): gguf "
                         "where quickdraft's CPU kernels run (see `quickdraft check`), else none")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens a sequence may hold, prompt and output (default: the model's context length, at most "
+                        "4096: the KV cache is allocated for it up front)")
     add_switch(p, "--enforce-eager",
                help="on a CUDA device, run every pass eagerly: no CUDA graphs for the decoding passes "
                     "(they take a little memory and a capture on each new shape; default: off)")
@@ -167,11 +175,25 @@ def speculative_config(args: argparse.Namespace):
     return json.dumps(config)
 
 
+def _is_model(name: str) -> bool:
+    """Whether ``name`` is a model quickdraft can load: a built-in name, a .gguf file or a directory."""
+    from pathlib import Path
+
+    from quickdraft.models import registry
+
+    return registry.is_builtin(name) or Path(name).expanduser().is_file() and name.endswith(".gguf") or \
+        Path(name).expanduser().is_dir()
+
+
 def resolve_model_args(args: argparse.Namespace) -> argparse.Namespace:
     """The model named first (``quickdraft serve MODEL``) or with --model, --dtype auto as the
     dtype it means, and the speculative shorthands folded into --speculative-config; two
     different models named is an error."""
     named = getattr(args, "model_positional", None)
+    served = getattr(args, "served_model_name", None)
+    if named is None and served and len(served) > 1 and args.model == DEFAULT_MODEL and _is_model(served[-1]):
+        # `serve --served-model-name NAME MODEL`: the option's list took the model named after it
+        named, args.served_model_name = served[-1], served[:-1]
     if named is not None:
         if args.model not in (DEFAULT_MODEL, named):
             raise ConfigError(f"two models named: {named} and --model {args.model}; name one", "model")
@@ -187,8 +209,8 @@ def resolve_model_args(args: argparse.Namespace) -> argparse.Namespace:
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate, at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the likeliest tokens up to this mass (1: all)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
     p.add_argument("--seed", type=int, default=None)
 
 
@@ -207,7 +229,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
-        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        # by identity: a default of 0 or 0.0 equals False, and is worth showing
+        shown = all(action.default is not v for v in (None, False, argparse.SUPPRESS)) and action.option_strings
         if shown and "%(default)" not in help and "default" not in help.lower():
             help += (" " if help else "") + "(default: %(default)s)"
         return help
@@ -232,5 +255,6 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 show_defaults(sub)
-        elif action.help is None and action.option_strings and action.default not in (None, False):
+        elif action.help is None and action.option_strings and action.default is not None and action.default is not False:
+            # (by identity: 0 and 0.0 equal False, and their defaults are worth showing)
             action.help = "(default: %(default)s)"

@@ -143,3 +143,36 @@ def test_generate_takes_model_then_prompt(monkeypatch):
             cli.main(argv)
         assert seen[-1] == model
     assert cli.main(["generate", "a", "b", "c"]) == 2  # three words: the prompt unquoted
+
+
+@pytest.mark.parametrize("argv, model, extra", [
+    # options anywhere among the positionals
+    (["generate", "gemma3-270m", "--max-tokens", "16", "The capital"], None, ("words", ["gemma3-270m", "The capital"])),
+    (["generate", "The capital", "--max-tokens", "16"], None, ("words", ["The capital"])),
+    # every command that takes a model takes it first
+    (["check", "gemma3-270m", "--num-prompts", "2"], "gemma3-270m", ("num_prompts", 2)),
+    (["profile", "gemma3-270m"], "gemma3-270m", ("command", "profile")),
+    (["fidelity", "--ctx", "64", "gemma3-270m"], "gemma3-270m", ("ctx", 64)),
+    (["advise", "gemma3-270m", "mine.jsonl"], "gemma3-270m", ("prompts", "mine.jsonl")),
+    (["advise", "mine.jsonl"], "smollm2-135m-instruct", ("prompts", "mine.jsonl")),
+    (["train", "eagle3", "gemma3-270m", "--steps", "3"], "gemma3-270m", ("steps", 3)),
+    (["train", "generate", "gemma3-270m"], "gemma3-270m", ("train_command", "generate")),
+    # --served-model-name's list does not swallow the model named after it
+    (["serve", "--served-model-name", "foo", "gemma3-270m"], "gemma3-270m", ("served_model_name", ["foo"])),
+    (["serve", "gemma3-270m", "--served-model-name", "foo", "bar"], "gemma3-270m", ("served_model_name", ["foo", "bar"])),
+    (["serve", "--served-model-name", "foo", "bar"], "smollm2-135m-instruct", ("served_model_name", ["foo", "bar"])),
+    (["bench", "accuracy", "--num-prompts", "2"], None, ("bench_command", "accuracy")),
+])
+def test_arguments_as_users_write_them(argv, model, extra):
+    from quickdraft.arguments import resolve_model_args
+    from quickdraft.commands.cli import build_parser, parse
+
+    args = resolve_model_args(parse(build_parser(), argv))
+    if model is not None:
+        assert args.model == model
+    assert getattr(args, extra[0]) == extra[1]
+
+
+def test_two_models_named_is_an_error(capsys):
+    code = main(["check", "gemma3-270m", "--model", "qwen2.5-coder-0.5b-instruct"])
+    assert code == 2 and "two models named" in capsys.readouterr().err

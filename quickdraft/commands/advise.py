@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from quickdraft.arguments import add_dtype_arg, add_flag, add_switch, numbers
+from quickdraft.arguments import add_dtype_arg, add_flag, add_model_positional, add_switch, numbers
 from quickdraft.engine.sequence import SpecStats
 from quickdraft.errors import ConfigError
 from quickdraft.stats import median
@@ -276,6 +276,7 @@ def measure(model, prompts: list[list[int]], variants: list[Drafter], batches, p
 
 def register(sub) -> None:
     p = sub.add_parser("advise", help="the rollout checklist on your prompts: baseline, each drafter, memory, a verdict")
+    add_model_positional(p)
     p.add_argument("prompts", help="a JSONL of your prompts (bench's format: \"prompt\", \"messages\" or \"turns\" a "
                                    "line), or humaneval / mtbench; chats are asked their first turn")
     p.add_argument("--model", default="smollm2-135m-instruct",

@@ -105,7 +105,9 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     for title, name in (("Acceptance by position", "acceptance"), ("Speedup by batch size", "speedup")):
         if name in plots:
             lines += [f"![{title}]({plots[name]})", ""]
-    lines += ["Trained heads (EAGLE, Medusa): none measured; quickdraft has no proposer for them yet.", ""]
+    lines += ["Trained heads (EAGLE-3, Medusa) are not among the candidates here: train one with "
+              f"`quickdraft train eagle3 --model {result.get('model', 'MODEL')}` and measure it beside these with "
+              "`quickdraft bench --methods none,eagle3,medusa`.", ""]
     return "\n".join(lines)
 
 

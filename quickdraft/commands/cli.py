@@ -34,9 +34,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, options allowed anywhere among a command's positionals
+    (``quickdraft generate MODEL --max-tokens 16 "prompt"``): the command's own parser, found by the
+    sub-command names that come first, parses them intermixed (argparse's
+    ``parse_intermixed_args``); a command with sub-commands of its own past that point, or no
+    command, is parsed as usual."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    node, named, defaults = parser, [], {}
+    while True:
+        subs = [a for a in node._actions if isinstance(a, argparse._SubParsersAction)]
+        at = len(named)
+        if not subs or at >= len(argv) or argv[at] not in subs[0].choices:
+            break
+        named.append((subs[0].dest, argv[at]))
+        defaults |= node._defaults
+        node = subs[0].choices[argv[at]]
+    if not named or any(isinstance(a, argparse._SubParsersAction) for a in node._actions):
+        return parser.parse_args(argv)
+    args = node.parse_intermixed_args(argv[len(named):])
+    for dest, name in named:
+        setattr(args, dest, name)
+    for key, value in defaults.items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     try:
         resolve_model_args(args)
         if getattr(args, "threads", None) is not None:  # the commands with the model flags

@@ -39,10 +39,11 @@ GREEDY_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a 
 
 
 def register(sub) -> None:
-    from quickdraft.arguments import add_dtype_arg, add_switch
+    from quickdraft.arguments import add_dtype_arg, add_model_positional, add_switch
 
     p = sub.add_parser("fidelity", help="KL divergence and perplexity of the default path (and llama.cpp's) "
                                         "against the float32 model")
+    add_model_positional(p)
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a built-in name (see `quickdraft models`), a .gguf file or a Hugging Face directory")
     add_dtype_arg(p)

@@ -13,7 +13,7 @@ def register(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("words", nargs="+", metavar="[MODEL] PROMPT",
                    help="the prompt, after the model where it comes first (else --model)")
-    add_model_args(g)
+    add_model_args(g, positional=False)  # [MODEL] PROMPT: the words
     add_sampling_args(g)
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     add_switch(g, "--chat", help="apply the model's chat template to the prompt")

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from quickdraft.arguments import add_dtype_arg, add_flag
+from quickdraft.arguments import add_dtype_arg, add_flag, add_model_positional
 
 
 def register(sub) -> None:
@@ -42,6 +42,7 @@ def register(sub) -> None:
             p.add_argument("--num-heads", type=int, default=4, help="K: heads, one a draft position")
         p.set_defaults(func=_train, method=method)
     g = tsub.add_parser("generate", help="self-distillation texts: the target's own answers to prompts, for --texts")
+    add_model_positional(g)
     g.add_argument("--model", default="smollm2-135m-instruct", help="the target: a built-in name, .gguf or HF directory")
     g.add_argument("--prompts", default=None, help="JSONL (\"prompt\": raw text, or \"messages\": a chat); default: "
                                                    "functions and package summaries of the installed packages")
@@ -80,6 +81,7 @@ def _precision_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
+    add_model_positional(p)
     p.add_argument("--model", default="smollm2-135m-instruct", help="the target: a built-in name, .gguf or HF directory")
     p.add_argument("--texts", default=None, help="JSONL (\"text\", \"prompt\" or \"messages\") or a text file; default: "
                                                  "the installed Python packages' sources and documentation")
