@@ -15,6 +15,7 @@ import torch
 from quickdraft.models.families import FAMILIES
 from tests.conftest import _tiny_rust_tokenizer
 from tests.models.test_gguf import _tokenizer_meta, _write, llama_cpp_permute
+from tests.models.test_rope import converter_llama3_factors
 
 transformers = __import__("pytest").importorskip("transformers")
 
@@ -98,25 +99,6 @@ def _gguf_name(name: str, family: str) -> str:
     return f"blk.{layer}.{gg}.{kind}"
 
 
-def llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
-    """The rope_freqs.weight llama.cpp's converter writes for Llama 3's rope scaling: per frequency,
-    1 where its wavelength is short, ``factor`` where long, and a smooth step between (Meta's
-    apply_scaling, as convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors writes it)."""
-    base, factor = rope["rope_theta"], rope["factor"]
-    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * base ** (i / head_dim)
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
-
-
 def write_gguf(model, family: str, path: Path) -> Path:
     """``model``'s weights as llama.cpp's converter writes them, float32, with its metadata."""
     c = model.config
@@ -133,7 +115,7 @@ def write_gguf(model, family: str, path: Path) -> Path:
     meta[f"{arch}.rope.freq_base"] = float(rope["rope_theta"])
     tensors = {}
     if rope["rope_type"] == "llama3":
-        tensors["rope_freqs.weight"] = llama3_factors(rope, head_dim)
+        tensors["rope_freqs.weight"] = converter_llama3_factors(rope, head_dim)
     elif rope["rope_type"] in ("linear", "yarn"):
         meta[f"{arch}.rope.scaling.type"] = rope["rope_type"]
         meta[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
@@ -163,4 +145,4 @@ def transformers_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-__all__ = ["gguf", "hf_config", "random_model", "save_hf_dir", "write_gguf", "transformers_logits", "llama3_factors"]
+__all__ = ["gguf", "hf_config", "random_model", "save_hf_dir", "write_gguf", "transformers_logits"]
