@@ -1,6 +1,6 @@
 """The engine: requests in, one speculative step at a time, outputs out.
 
-``step`` reads like the data path in ARCHITECTURE.md: schedule, run (engine/runner.py: propose,
+``step`` reads like the data path in docs/design/architecture.md: schedule, run (engine/runner.py: propose,
 build the verification pass, forward, verify, commit), postprocess. Each request
 has its own sampling parameters, its own generator (seeded by its seed), its own K and its own
 stop conditions; the batch around it changes nothing in its tokens (see models/decoder/ on batch

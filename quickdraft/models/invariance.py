@@ -1,4 +1,4 @@
-"""Probing batch invariance on this machine (ARCHITECTURE.md point 11), for ``quickdraft check``.
+"""Probing batch invariance on this machine (docs/design/batch-invariance.md), for ``quickdraft check``.
 
 What the kernels promise is stated in ``kernels.invariance``; this module tests it, on the CPU at
 hand and on a real model's shapes: every distinct projection the decoder runs, with 1 to

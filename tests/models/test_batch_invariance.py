@@ -1,4 +1,4 @@
-"""Batch invariance, op by op and for the whole decoder (ARCHITECTURE.md point 11).
+"""Batch invariance, op by op and for the whole decoder (docs/design/batch-invariance.md).
 
 A row's result must not depend on how many other rows share the op. On the kernel path (every
 instruction set the kernels build for: AVX-512, AVX2, NEON, portable) these tests compare bit for bit

@@ -1,6 +1,6 @@
 """Attention metadata: where each sequence's new tokens go in a ragged batch, and the token-tree
 masks in the two forms the attention takes them (a boolean mask, or each row's path of tree tokens
-for the kernels). Passed explicitly to every forward, never stored (ARCHITECTURE.md point 4)."""
+for the kernels). Passed explicitly to every forward, never stored (docs/design/architecture.md, rule 2)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ only the rows a verifier needs pay for the large output projection.
 A pass runs its layers one of two ways, with the same bits: in Python (reference.py, the readable
 path, one kernel call an operation), or on a CPU with the kernels in C++ (native.py: the whole
 pass in one call). On a CUDA device the regular decoding passes replay CUDA graphs (graphs.py).
-Batch invariance (ARCHITECTURE.md point 11): see ops.py for the projections
+Batch invariance (docs/design/batch-invariance.md): see ops.py for the projections
 and reference.py for attention.
 """
 

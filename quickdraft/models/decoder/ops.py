@@ -2,7 +2,7 @@
 MLP's SiLU and rotary position embeddings, each on quickdraft's CPU kernels where they run and on
 torch elsewhere.
 
-Batch invariance (ARCHITECTURE.md point 11): the projections take quickdraft's own CPU kernels
+Batch invariance (docs/design/batch-invariance.md): the projections take quickdraft's own CPU kernels
 (kernels/linear.cpp), invariant by construction in float32, bfloat16 and int8 on every instruction
 set they are built for (kernels/simd.h: AVX-512, AVX2, NEON and a portable one). torch's matmul is
 not: on an AMD EPYC its float32 tail rows (1..3 past a multiple of four) take another kernel, and
