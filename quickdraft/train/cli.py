@@ -178,11 +178,16 @@ def _draft(args) -> int:
     from quickdraft.proposers.heads import default_dir
     from quickdraft.train import data, draft
 
+    from quickdraft.proposers.draft_load import check_same_vocabulary
+
     model = _load(args)
+    stock = load_model(args.draft_model, torch.float32, quantization="none")  # dense weights to train
+    # the pair is checked before the target labels anything: a wrong pair fails in seconds, not after the labelling
+    check_same_vocabulary(model, stock)
+    draft.check_trainable(stock.config)
     data_dir = _data_dir(args, model)
     data.build(model, data_dir, args.texts, args.seq_len, args.num_label_tokens)
     windows = data.load_windows(data_dir, model)
-    stock = load_model(args.draft_model, torch.float32, quantization="none")  # dense weights to train
     out = Path(args.output_dir).expanduser() if args.output_dir else default_dir(model, "draft")
     started = time.perf_counter()
     lr = args.lr if args.lr is not None else (1e-3 if args.lora_rank > 0 else 2e-5)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import ConfigError, QuickdraftError
 from quickdraft.models.eagle3 import rms_norm, rotate
 from quickdraft.train.loop import fit, head_rows
 
@@ -64,6 +64,15 @@ class _Layer(torch.nn.Module):
             setattr(self.mlp, n, _linear(weights, p + "mlp." + n, False))
 
 
+def check_trainable(c) -> None:
+    """TrainableDraft's forward is a Llama / Qwen2 layer with plain rotary embeddings and full
+    attention: another model is refused before anything is trained."""
+    if c.arch not in ("llama", "qwen2") or c.rope_scaling is not None or c.rotary_dim is not None or c.sliding_window:
+        raise ConfigError(f"{c.name}: a draft is distilled from a Llama or Qwen2 model with plain rotary embeddings "
+                          f"and full attention; this is a {c.arch} model"
+                          f"{' with scaled rotary embeddings' if c.rope_scaling is not None else ''}", "draft_model")
+
+
 class TrainableDraft(torch.nn.Module):
     """A llama / qwen2 model's weights as float32 parameters, with a forward; its state-dict keys
     are the Hugging Face weight names."""
@@ -71,10 +80,7 @@ class TrainableDraft(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         c = self.config = model.config
-        if c.arch not in ("llama", "qwen2") or c.rope_scaling is not None or c.rotary_dim is not None or c.sliding_window:
-            raise ValueError(f"{c.name}: a draft is distilled from a Llama or Qwen2 model with plain rotary embeddings "
-                             f"and full attention; this is a {c.arch} model"
-                             f"{' with scaled rotary embeddings' if c.rope_scaling is not None else ''}")
+        check_trainable(c)
         w = model.weights
         self.model = torch.nn.Module()
         embed = w["model.embed_tokens.weight"]

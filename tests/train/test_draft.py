@@ -149,3 +149,16 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes(pair, tmp_path):
     assert resumed == losses
     for (n, a), b in zip(first.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.slow
+def test_a_pair_that_cannot_work_fails_before_labelling(smollm2_path, qwen05_path, tmp_path, capsys):
+    """`quickdraft train draft` with SmolLM2 as the target and the Qwen 0.5B as the draft: the
+    vocabularies differ, and it says so before the target labels a single token."""
+    from quickdraft.commands.cli import main
+
+    data = tmp_path / "data"
+    code = main(["train", "draft", "smollm2-135m-instruct", "--draft-model", "qwen2.5-coder-0.5b-instruct",
+                 "--data", str(data)])
+    assert code == 2 and "vocabulary" in capsys.readouterr().err
+    assert not data.exists()  # nothing was labelled
