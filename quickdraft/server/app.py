@@ -565,9 +565,14 @@ class _Reply:
         head, body = self.prompt_logprobs(out, index), self.logprobs(self.scored(out.logprobs, out), index)
         return {key: head[key] + body[key] for key in head}
 
+    def echoed(self, out: RequestOutput) -> str:
+        """The prompt as echo gives it back: its tokens decoded with the special ones kept, so that the
+        text is the prompt that was sent and the logprobs' tokens and text offsets fall inside it."""
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
     def echo_chunk(self, out: RequestOutput, index: int, include_usage: bool) -> dict:
         """A streamed completion's first chunk with echo: the prompt's text and its logprobs."""
-        body = self.chunk(index, self.tokenizer.decode(out.prompt_token_ids), None, include_usage)
+        body = self.chunk(index, self.echoed(out), None, include_usage)
         body["choices"][0]["logprobs"] = self.prompt_logprobs(out, index) if out.logprobs is not None else None
         return body
 
@@ -592,7 +597,7 @@ class _Reply:
                         "finish_reason": reason}
                        for i, o in enumerate(outs) for m, reason in [self.message(o)]]
         elif self.echo:  # the prompt as its tokens decode, then the completion; the first prompt token has no logprob
-            choices = [{"index": i, "text": self.tokenizer.decode(o.prompt_token_ids) + o.text,
+            choices = [{"index": i, "text": self.echoed(o) + o.text,
                         "logprobs": self.echo_logprobs(o, i), "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
         else:
             choices = [{"index": i, "text": o.text, "logprobs": self.logprobs(self.scored(o.logprobs, o), i),

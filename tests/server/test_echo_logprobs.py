@@ -95,7 +95,7 @@ def test_loglikelihoods_equal_teacher_forcing(edge_server, smollm2_tokenizer, te
         if stopped:  # the end of sequence is scored and counted, not shown
             eos_seen += 1
             assert generated in smollm2_tokenizer.eos_token_ids and choice["token_ids"] == []
-            assert choice["text"] == smollm2_tokenizer.decode(ids)
+            assert choice["text"] == smollm2_tokenizer.decode(ids, skip_special_tokens=False)  # the prompt as sent
         # the streamed reply carries the same entries
         assert _joined(_stream(edge_server, {"prompt": ids, "max_tokens": 1, "logprobs": 1, "echo": True})) == lp
     # the case lm-evaluation-harness scored wrong is covered: where the model ends the text (its
@@ -137,6 +137,20 @@ def test_max_tokens_zero_with_echo_gives_the_prompt(edge_server, smollm2_tokeniz
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     no_logprobs = _post(edge_server, {"prompt": prompt, "max_tokens": 0, "echo": True})["choices"][0]
     assert no_logprobs["text"] == prompt and no_logprobs["logprobs"] is None
+
+
+def test_echo_keeps_special_tokens(edge_server):
+    """A prompt with a special token comes back as it was sent, and the text offsets fall inside it."""
+    prompt = "<|im_start|>hi"
+    for body in ({"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1},
+                 {"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0}):
+        choice = _post(edge_server, body)["choices"][0]
+        assert choice["text"].startswith(prompt)
+        lp = choice["logprobs"]
+        assert lp["tokens"][:2] == ["<|im_start|>", "hi"] and lp["text_offset"][:2] == [0, 12]
+        assert all(choice["text"][o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"]))
+    chunks = _stream(edge_server, {"prompt": prompt, "max_tokens": 0, "echo": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == prompt
 
 
 def test_top_logprobs_hold_the_chosen_token(edge_server):
