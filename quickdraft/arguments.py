@@ -181,8 +181,8 @@ def _is_model(name: str) -> bool:
 
     from quickdraft.models import registry
 
-    return registry.is_builtin(name) or Path(name).expanduser().is_file() and name.endswith(".gguf") or \
-        Path(name).expanduser().is_dir()
+    path = Path(name).expanduser()
+    return registry.is_builtin(name) or path.is_dir() or (path.is_file() and path.suffix == ".gguf")
 
 
 def resolve_model_args(args: argparse.Namespace) -> argparse.Namespace:

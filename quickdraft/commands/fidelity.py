@@ -107,13 +107,12 @@ class Tally:
                 "max_abs_dlogp": float(np.concatenate(self.dlogp).max())}
 
 
-def our_logits(loaded, chunk: list[int]) -> torch.Tensor:
-    """Logits [len(chunk), V] of one chunk from position 0, through the decoder quickdraft runs."""
+def our_logits(decoder, chunk: list[int]) -> torch.Tensor:
+    """Logits [len(chunk), V] of one chunk from position 0, through ``decoder`` (a Decoder)."""
     from quickdraft.kv_cache import KVCache
-    from quickdraft.models.decoder import AttentionMetadata, Decoder
+    from quickdraft.models.decoder import AttentionMetadata
 
-    decoder = Decoder(loaded.config, loaded.weights)
-    kv = KVCache(loaded.config, 1, len(chunk), decoder.dtype, device=decoder.device)
+    kv = KVCache(decoder.config, 1, len(chunk), decoder.dtype, device=decoder.device)
     meta = AttentionMetadata.chain([0], [0], [len(chunk)])
     with torch.inference_mode():
         hidden = decoder.forward(torch.tensor(chunk, device=decoder.device), meta.positions(decoder.device), kv, meta)
@@ -155,19 +154,17 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def greedy(reference, tested, peer, dtype: str, prompts: tuple[str, ...], n: int) -> list[dict]:
+def greedy(reference, tested, decoders: dict, peer, dtype: str, prompts: tuple[str, ...], n: int) -> list[dict]:
     """Per prompt: where quickdraft's greedy tokens first differ from float32's and from llama.cpp's
     (None: nowhere in ``n`` tokens), with the top-2 margins of quickdraft's path and of float32 at
-    that position."""
+    that position; ``decoders``: {"quickdraft": the tested model's Decoder, "float32": the reference's}."""
     from quickdraft import LLM, SamplingParams
     from quickdraft.measure import top2_margin
-    from quickdraft.models.decoder import Decoder
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     ids = [reference.tokenizer.encode(p) for p in prompts]
     ours = [o.token_ids for o in LLM(tested, dtype=dtype).generate(ids, params)]
     f32 = [o.token_ids for o in LLM(reference, dtype="float32").generate(ids, params)]
-    decoders = {"quickdraft": Decoder(tested.config, tested.weights), "float32": Decoder(reference.config, reference.weights)}
     rows = []
     for prompt, prefix, mine, ref in zip(prompts, ids, ours, f32):
         row = {"prompt": prompt, "tokens": n}
@@ -197,6 +194,7 @@ def measure(args) -> dict:
     from tqdm import tqdm
 
     from quickdraft.config import EngineConfig
+    from quickdraft.models.decoder import Decoder
     from quickdraft.models.loader import load_model
 
     if args.ctx < 8 or args.ctx % 2:
@@ -216,6 +214,7 @@ def measure(args) -> dict:
     dtype = EngineConfig(model=args.model, dtype=args.dtype).torch_dtype
     reference = load_model(args.model, torch.float32, quantization="none")
     tested = load_model(args.model, dtype, quantization=args.quantization)
+    decoders = {"quickdraft": Decoder(tested.config, tested.weights), "float32": Decoder(reference.config, reference.weights)}
     tok = reference.tokenizer
     ids = tok.encode(text)
     bos = reference.config.bos_token_id if getattr(tok, "add_bos_token", False) else None
@@ -234,15 +233,15 @@ def measure(args) -> dict:
     tallies = {"quickdraft": Tally(), **({"llama.cpp": Tally()} if peer else {})}
     ref_nll = []
     for chunk in tqdm(parts, desc="scoring chunks", unit="chunk", disable=args.json):
-        ref = scored_logprobs(our_logits(reference, chunk), chunk)
+        ref = scored_logprobs(our_logits(decoders["float32"], chunk), chunk)
         targets = torch.tensor(chunk[len(chunk) // 2 + 1:])
         ref_nll.append(-ref[torch.arange(len(targets)), targets].double().numpy())
-        tallies["quickdraft"].add(ref, scored_logprobs(our_logits(tested, chunk), chunk), targets)
+        tallies["quickdraft"].add(ref, scored_logprobs(our_logits(decoders["quickdraft"], chunk), chunk), targets)
         if peer:
             tallies["llama.cpp"].add(ref, scored_logprobs(peer.logits(chunk), chunk), targets)
     name = str(dtype).removeprefix("torch.")
     prompts = GREEDY_PROMPTS[:max(0, args.num_greedy_prompts)]
-    rows = greedy(reference, tested, peer, name, prompts, args.greedy_tokens) if prompts else []
+    rows = greedy(reference, tested, decoders, peer, name, prompts, args.greedy_tokens) if prompts else []
     return {"model": args.model, "dtype": name, "quantization": args.quantization,
             "ctx": args.ctx, "chunks": len(parts), "text_tokens": len(ids),
             "reference": {"tokens": int(sum(n.size for n in ref_nll)),

@@ -8,8 +8,8 @@ region can wait out a time slice of the scheduler. A *passive* wait sleeps at on
 core back, but costs a wake-up at every parallel region when the cores are free. Measured on a
 2-core AMD EPYC (Zen 4), the Qwen2.5-Coder-1.5B on its Q4_K_M blocks, 128 tokens, tokens/s of two
 runs: quiet, spinning 25.2 and 27.5, passive 15.2 and 21.1; beside one CPU-bound process,
-spinning 9.3 and 7.3, passive 18.1 and 19.4 (spin counts of 3,000 and 30,000 were worse than
-either where it mattered).
+spinning 9.3 and 7.3, passive 18.1 and 19.4, on a fixed 2 threads (spin counts of 3,000 and 30,000
+were worse than either where it mattered).
 
 libgomp reads its policy once, when it loads, and so cannot follow the machine; the thread count
 can change at any time. So quickdraft leaves libgomp's spinning as it is and follows the other
@@ -34,15 +34,15 @@ the last of them. So the default count is the affinity's cores or the quota's wh
 whichever is fewer (``usable_cpus``), as Go's runtime and the JVM read the quota (``cpu_quota``).
 
 Terms: the *wait policy* is ``OMP_WAIT_POLICY`` (passive: sleep at once); libgomp reads it once,
-when it is loaded (with ``import torch``). The *thread count* is torch's intra-op threads (``torch.set_num_threads``), which the kernels' parallel
-regions follow too (both ask the calling thread's OpenMP setting).
+when it is loaded (with ``import torch``). The *thread count* is torch's intra-op threads
+(``torch.set_num_threads``), which the kernels' parallel regions follow too (both ask the calling
+thread's OpenMP setting).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from pathlib import Path
 

@@ -29,6 +29,7 @@ fingerprint, so that a head loaded against another target or vocabulary is a cle
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -90,7 +91,9 @@ class Eagle3Config:
         return cls(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
                    c.rope_theta, c.max_position_embeddings, c.vocab_size, draft_vocab_size,
                    default_aux_layers(c.num_layers), name or c.name or str(model.source), target_key(model),
-                   rope_scaling=c.rope_scaling)
+                   # the target's scaling where a config can say it; a GGUF's per-frequency factors
+                   # have no transformers form, so such a head turns as plain RoPE (its file says so)
+                   rope_scaling=c.rope_scaling if c.rope_scaling is None or c.rope_scaling.kind != "factors" else None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,18 +106,23 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, scaling: Rope
     """Rotary embedding, Hugging Face's rotate-half layout: x [..., n, heads, d], positions [..., n];
     ``scaling``: the frequencies and factor of models/rope.py for a table of ``max_positions``."""
     d = x.shape[-1]
-    factor = 1.0
-    if scaling is None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    else:
-        inv, factor = inverse_frequencies(Rope(theta, scaling), d, max_positions)
-        inv_freq = inv.float().to(x.device)
-    angles = positions.float().unsqueeze(-1) * inv_freq  # [..., n, d/2]
+    inv_freq, factor = _frequencies(float(theta), scaling, d, max_positions)
+    angles = positions.float().unsqueeze(-1) * inv_freq.to(x.device)  # [..., n, d/2]
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(-2)  # [..., n, 1, d]
     xf = x.float()
     rotated = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
     cos, sin = (angles.cos(), angles.sin()) if factor == 1.0 else (angles.cos() * factor, angles.sin() * factor)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _frequencies(theta: float, scaling: RopeScaling | None, d: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(float32 [d/2] inverse frequencies on the CPU, the factor on cos and sin): computed once per
+    head shape, not at every draft step."""
+    if scaling is None:
+        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)), 1.0
+    inv, factor = inverse_frequencies(Rope(theta, scaling), d, max_positions)
+    return inv.float(), factor
 
 
 class Eagle3Head(nn.Module):

@@ -74,8 +74,11 @@ def _windows(cfg: dict[str, Any], family: Family, num_layers: int, source: str) 
     types = tuple(cfg.get("layer_types") or ())
     if types and (len(types) != num_layers or not set(types) <= {"full_attention", "sliding_attention"}):
         raise ModelFormatError(f"{source}: layer_types must name full_attention or sliding_attention for each of {num_layers} layers")
-    if family.sliding == "none" or (family.name.startswith("qwen") and not cfg.get("use_sliding_window")):
-        return 0, ()  # Qwen's window is off unless use_sliding_window says so (transformers ignores it then)
+    if family.name.startswith("qwen") and cfg.get("use_sliding_window"):
+        # transformers then slides the layers from max_window_layers on; llama.cpp never does
+        raise ModelFormatError(f"{source}: use_sliding_window is true: Qwen's sliding window is not supported")
+    if family.sliding == "none":
+        return 0, ()  # Qwen's sliding_window and layer_types say nothing while use_sliding_window is off
     if not window:
         return 0, ()
     if family.sliding == "layer_types" and not types:  # Gemma 3 before transformers 4.53: every Nth layer global
@@ -111,7 +114,8 @@ def config_from_hf(cfg: dict[str, Any], tokenizer: Tokenizer, source: str) -> Mo
     num_layers = int(need("num_hidden_layers"))
     window, types = _windows(cfg, family, num_layers, source)
     rope = whole_head_only(rope_from_hf(cfg, head_dim, source), head_dim, source)
-    local = rope_from_hf(cfg, head_dim, source, layer_type="sliding_attention") if types else None
+    local = whole_head_only(rope_from_hf(cfg, head_dim, source, layer_type="sliding_attention"), head_dim, source) \
+        if types else None
     eos = cfg.get("eos_token_id")
     eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
     eos_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *eos]))  # dedupe, keep order

@@ -19,6 +19,7 @@ import torch
 from quickdraft.errors import ModelFormatError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.models.kernels import isa
 from quickdraft.models.loader import load_model
 from tests.models.families import random_model, save_hf_dir, transformers_logits, write_gguf
 
@@ -72,6 +73,30 @@ def test_logits_match_transformers(models, family: str, source: str) -> None:
     assert_close(our_logits(decoder, PROMPT), theirs)
     # a prompt, then one token a pass: each decoding row over the cached keys of earlier passes
     assert_close(our_logits(decoder, PROMPT, (20,) + (1,) * 20), theirs)
+
+
+@pytest.mark.parametrize("name", [i.name for i in isa.ISAS if isa.runs_here(i)])
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_instruction_set_here_matches_transformers(models, family: str, source: str, name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each instruction set this CPU runs, forced as QUICKDRAFT_ISA forces it (on an AVX-512 CPU:
+    avx512, avx2 and portable): transformers' logits, and in float32 the very bits of the default
+    path (the kernels promise float32 the same bits on every path)."""
+    from quickdraft.models import kernels
+
+    _, hf_dir, gguf_file, theirs = models[family]
+    loaded = load_model(str(hf_dir if source == "hf" else gguf_file), torch.float32, quantization="none")
+    default = our_logits(Decoder(loaded.config, loaded.weights), PROMPT)
+    module = kernels.build(isa.BY_NAME[name])
+    if module is None:
+        pytest.skip(f"the {name} kernels did not build")
+    monkeypatch.setattr(kernels, "_module", lambda: module)
+    forced = Decoder(loaded.config, loaded.weights)
+    assert forced.native is not None
+    mine = our_logits(forced, PROMPT)
+    assert_close(mine, theirs)
+    assert torch.equal(mine, default)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -141,6 +166,21 @@ def test_a_key_not_understood_is_an_error(models, tmp_path: Path, key: str, valu
     with pytest.raises(ModelFormatError, match=words) as e:
         load_model(str(dst), torch.float32)
     assert str(dst) in str(e.value)
+
+
+def test_qwens_sliding_window_is_refused(models, tmp_path: Path) -> None:
+    """transformers slides Qwen's layers from max_window_layers on where use_sliding_window is true
+    (llama.cpp never does): refused, not computed as full attention."""
+    import json
+    import shutil
+
+    dst = tmp_path / "qwen"
+    shutil.copytree(models["qwen2"][1], dst)
+    cfg = json.loads((dst / "config.json").read_text()) | {"use_sliding_window": True, "sliding_window": 8,
+                                                              "max_window_layers": 1}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match="use_sliding_window"):
+        load_model(str(dst), torch.float32)
 
 
 def test_an_unknown_architecture_names_the_supported_ones(models, tmp_path: Path) -> None:

@@ -118,3 +118,20 @@ def test_a_key_not_understood_is_an_error(target, tmp_path, overrides: dict, wor
     path, _ = eagle_layout(target, tmp_path / "eagle3", **overrides)
     with pytest.raises(ConfigError, match=words):
         head_file.load(path, target.config.num_layers)
+
+
+def test_a_head_for_a_gguf_llama3_target_saves_and_loads(tmp_path) -> None:
+    """A Llama 3 GGUF states its scaling as per-frequency factors, which a head's config cannot:
+    the head made for it turns as plain RoPE, and its file says so and reads back the same."""
+    from tests.models.families import write_gguf
+
+    gguf_target = load_model(str(write_gguf(random_model("llama", seed=4), "llama", tmp_path / "t.gguf")), torch.float32,
+                             quantization="none")
+    assert gguf_target.config.rope_scaling.kind == "factors"
+    config = head_file.Eagle3Config.for_target(gguf_target, 64)
+    assert config.rope_scaling is None
+    head = head_file.Eagle3Head(config, torch.arange(64))
+    loaded = head_file.load(head_file.save(head, tmp_path / "head"))
+    assert loaded.config.rope_scaling is None and loaded.config.rope_theta == config.rope_theta
+    x = torch.randn(3, config.hidden_size)
+    assert torch.equal(loaded.logits(x), head.logits(x))
