@@ -11,9 +11,9 @@ import re
 import pytest
 
 from quickdraft.arguments import Switch
+from quickdraft.bench import loadgen, turns
 from quickdraft.commands.cli import build_parser
 from quickdraft.errors import ConfigError
-from quickdraft.server import loadgen, turns
 from quickdraft.server.cli import args_from_dict, serve_parser
 
 # (command words, new flag and value, dest, parsed value, old spelling)

@@ -4,7 +4,7 @@ It times the target's pass (and the draft's, for ``draft_model``) by rows, as th
 start-up (quickdraft/cost.py), then asks the engine's own planner, for each batch size and each
 acceptance rate, which K it would choose and what speedup over plain decoding the cost model
 expects. The figures are predictions of the model from measured costs, not measured speedups:
-``quickdraft bench`` and ``python -m quickdraft.server.loadgen`` measure those.
+``quickdraft bench`` and ``python -m quickdraft.bench.loadgen`` measure those.
 
 Before the plan it says where the time goes (quickdraft/measure.py): a one-row pass of the target
 and of the draft against its floor (its weight bytes over the memory bandwidth measured here),

@@ -22,7 +22,7 @@ from quickdraft.arguments import HelpFormatter, add_model_args, add_switch, reso
 # With "adaptive": false, speculation turns off for a step with at least this many running
 # sequences, unless --speculative-disable-by-batch-size or the JSON key says otherwise (the
 # adaptive default plans K per step from measured costs and needs no switch). Measured with
-# quickdraft/server/loadgen.py (docs/benchmarks/archive/serving-concurrency-qwen15) on this 2-core CPU, Qwen2.5-Coder-1.5B
+# quickdraft/bench/loadgen.py (docs/benchmarks/archive/serving-concurrency-qwen15) on this 2-core CPU, Qwen2.5-Coder-1.5B
 # with the 0.5B draft at K=4: 1.32x plain at 1 stream, 1.06x at 4, 0.81x at 8 (SmolLM2 with ngram:
 # 0.92x at 8). 6 sits between the last measured win and the first measured loss.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 6

@@ -1,4 +1,4 @@
-"""The soak script (``python -m quickdraft.server.soak``), bounded: 20 s of load with
+"""The soak script (``python -m quickdraft.bench.soak``), bounded: 20 s of load with
 disconnects and hostile input against the speculating server, run as a user runs it. The
 30-minute run and its result are in docs/serving-errors.md."""
 
@@ -19,7 +19,7 @@ DURATION_S = 20
 def test_soak_bounded(ngram_server, tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "quickdraft.server.soak", "--url", ngram_server.url, "--pid", str(ngram_server.proc.pid),
+        [sys.executable, "-m", "quickdraft.bench.soak", "--url", ngram_server.url, "--pid", str(ngram_server.proc.pid),
          "--api-key", ngram_server.api_key, "--duration", str(DURATION_S), "--concurrency", "3", "--max-tokens", "24",
          "--out", str(out), "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -1,6 +1,6 @@
 """The soak: a real server under load, clients that go away, and hostile input, for a while.
 
-    python -m quickdraft.server.soak --duration 1800 --out soak.json
+    python -m quickdraft.bench.soak --duration 1800 --out soak.json
 
 starts ``quickdraft serve`` (SmolLM2-135M-Instruct in float32, ngram K=4 by default) on a free
 loopback port, or targets a running one (``--url``, with ``--pid`` for its memory), and for
@@ -433,7 +433,7 @@ def summary(r: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m quickdraft.server.soak", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m quickdraft.bench.soak", description=__doc__.split("\n\n")[0],
                                 epilog="A failure: any 5xx, dropped connection, timeout, stream error event, or an "
                                        "unexpected status. Exit status 1 where one happened.")
     p.add_argument("--duration", type=float, default=1800, help="seconds of load (default 1800)")
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         text = log.read_text(errors="replace")
         result["server_log_tracebacks"] = text.count("Traceback")
         result["ok"] = result["ok"] and result["server_log_tracebacks"] == 0
-    result.update(started=started, command=" ".join(["python -m quickdraft.server.soak", *(argv or sys.argv[1:])]),
+    result.update(started=started, command=" ".join(["python -m quickdraft.bench.soak", *(argv or sys.argv[1:])]),
                   cpu=cpu_name(), args=vars(args))
     print(summary(result))
     if args.out:

@@ -1,6 +1,6 @@
 """Time to first token of chat turns, with and without prefix caching, through the server.
 
-    python -m quickdraft.server.turns --model smollm2-135m-instruct --num-prompts 16 --max-tokens 64 \\
+    python -m quickdraft.bench.turns --model smollm2-135m-instruct --num-prompts 16 --max-tokens 64 \\
         --result-dir bench-out/turns
 
 Two ``quickdraft serve`` processes are started side by side on loopback, one with
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from quickdraft.server.loadgen import percentile, start_server
+from quickdraft.bench.loadgen import percentile, start_server
 
 
 def chat(client: httpx.Client, url: str, body: dict) -> dict:
@@ -84,7 +84,7 @@ def table(s: dict) -> str:
 def parser() -> argparse.ArgumentParser:
     from quickdraft.arguments import HelpFormatter, add_dtype_arg, add_flag
 
-    p = argparse.ArgumentParser(prog="python -m quickdraft.server.turns", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m quickdraft.bench.turns", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     add_dtype_arg(p)

@@ -1,7 +1,7 @@
 """The serving speed table: output tokens/s, time to first token and time per output token
 (p50, p99) at 1, 4 and 8 concurrent streams, with and without speculation, in one run.
 
-    python -m quickdraft.server.loadgen --model qwen2.5-coder-1.5b-instruct \\
+    python -m quickdraft.bench.loadgen --model qwen2.5-coder-1.5b-instruct \\
         --speculative-config none --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \\
         --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct"}' \\
         --concurrency 1 4 8 --max-tokens 128 --result-dir bench-out/serve
@@ -165,7 +165,7 @@ def table(rows: list[dict]) -> str:
 def parser() -> argparse.ArgumentParser:
     from quickdraft.arguments import HelpFormatter, add_dtype_arg, add_flag
 
-    p = argparse.ArgumentParser(prog="python -m quickdraft.server.loadgen", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m quickdraft.bench.loadgen", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     add_dtype_arg(p)

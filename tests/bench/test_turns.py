@@ -1,9 +1,9 @@
-"""python -m quickdraft.server.turns: its summary of measured turns (the servers it starts are
+"""python -m quickdraft.bench.turns: its summary of measured turns (the servers it starts are
 the ones the other server tests use)."""
 
 from __future__ import annotations
 
-from quickdraft.server.turns import summary, table
+from quickdraft.bench.turns import summary, table
 
 
 def test_summary_by_server_and_turn():
