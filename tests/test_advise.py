@@ -70,7 +70,7 @@ def test_advise_end_to_end(smollm2_path, tmp_path, capsys):
         + "\n" + json.dumps({"turns": ["Count from one to five."]}) + "\n")
     out = tmp_path / "out"
     assert main(["advise", str(prompts), "--methods", "ngram", "--max-tokens", "4", "--batch-size", "1,2",
-                 "--num-speculative-tokens", "3", "--max-model-len", "256", "--result-dir", str(out)]) == 0
+                 "--max-num-speculative-tokens", "3", "--max-model-len", "256", "--result-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     r = json.loads((out / "results.json").read_text())
     assert [run["batch"] for run in r["baseline"]["runs"]] == [1, 2]

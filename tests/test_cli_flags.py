@@ -20,6 +20,9 @@ from quickdraft.server.cli import args_from_dict, serve_parser
 RENAMED = [
     (["bench"], ["--num-prompts", "humaneval=4"], "num_prompts", "humaneval=4", "--limit"),
     (["bench"], ["--result-dir", "out"], "result_dir", "out", "--out"),
+    (["bench"], ["--num-speculative-tokens-list", "2,4"], "num_speculative_tokens", "2,4", "--num-speculative-tokens"),
+    (["advise", "p.jsonl"], ["--max-num-speculative-tokens", "6"], "num_speculative_tokens", 6,
+     "--num-speculative-tokens"),
     (["bench", "accuracy"], ["--num-prompts", "3"], "num_prompts", 3, "--limit"),
     (["bench", "accuracy"], ["--num-greedy-prompts", "2"], "num_greedy_prompts", 2, "--greedy-limit"),
     (["bench", "accuracy"], ["--result-dir", "out"], "result_dir", "out", "--out"),

@@ -3,7 +3,7 @@
     quickdraft bench --suite quick --result-dir bench-out/quick
     quickdraft bench accuracy --model qwen2.5-coder-1.5b-instruct --num-prompts 10   # bench/accuracy.py
     quickdraft bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
-        --methods none,ngram,draft_model --num-speculative-tokens 2,4,6,8 --datasets humaneval,mtbench \\
+        --methods none,ngram,draft_model --num-speculative-tokens-list 2,4,6,8 --datasets humaneval,mtbench \\
         --num-prompts 10 --max-tokens 128 --result-dir bench-out/mine
 
 A suite fills in every flag the command line leaves out; flags given win.
@@ -49,7 +49,7 @@ FLAGS = {  # setting -> its flag, in the order the reproducing command lists the
     "model": "--model", "draft_model": "--draft-model", "datasets": "--datasets", "num_prompts": "--num-prompts",
     "categories": "--categories", "max_tokens": "--max-tokens", "temperature": "--temperature", "seed": "--seed",
     "num_seeds": "--num-seeds", "repeats": "--repeats", "methods": "--methods",
-    "num_speculative_tokens": "--num-speculative-tokens", "prompt_lookup_max": "--prompt-lookup-max",
+    "num_speculative_tokens": "--num-speculative-tokens-list", "prompt_lookup_max": "--prompt-lookup-max",
     "prompt_lookup_min": "--prompt-lookup-min", "num_branches": "--num-branches", "adaptive": "--adaptive", "peers": "--peers",
     "peer_num_speculative_tokens": "--peer-num-speculative-tokens", "warmup_tokens": "--warmup-tokens",
     "max_model_len": "--max-model-len", "peer_timeout": "--peer-timeout",
@@ -61,7 +61,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("bench", help="benchmark speculative methods against plain decoding, and peers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p, positional=False, shorthands=False)  # a sub-command (accuracy) comes first; its own --draft-model and --num-speculative-tokens (lists of K)
+    add_model_args(p, positional=False, shorthands=False)  # a sub-command (accuracy) comes first; its own --draft-model and --num-speculative-tokens-list
     p.set_defaults(model=None, func=run)
     p.add_argument("--suite", choices=sorted(SUITES),
                    help="a preset: quick (2 prompts of each set, 64 tokens, K=4) or standard (K=2..8, both peers)")
@@ -77,7 +77,8 @@ def register(subparsers) -> None:
     p.add_argument("--num-seeds", type=int, help="samples per request and variant at temperature > 0 (default 32)")
     p.add_argument("--repeats", type=int, help="runs of each request by each variant (greedy)")
     p.add_argument("--methods", help="comma-separated: none, ngram, draft_model, suffix, eagle3, medusa, layer_skip (none is always run)")
-    p.add_argument("--num-speculative-tokens", help="K values, comma-separated (e.g. 2,4,6,8)")
+    add_flag(p, "--num-speculative-tokens-list", dest="num_speculative_tokens", deprecated=("--num-speculative-tokens",),
+             help="the values of K to measure, comma-separated (e.g. 2,4,6,8): each is a variant of each method")
     p.add_argument("--prompt-lookup-max", help="ngram: longest n-gram sizes, comma-separated")
     p.add_argument("--prompt-lookup-min", help="ngram: shortest n-gram sizes, comma-separated")
     p.add_argument("--num-branches", help="ngram, suffix, draft_model: 1 (chains), or more to draft token trees "

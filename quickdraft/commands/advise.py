@@ -8,7 +8,7 @@ the drafter fits. ``advise`` does each step with measured inputs:
 
 1. baseline: plain decoding of the prompts, tokens/s, time to first token, memory;
 2. each available drafter (``ngram``, ``suffix``, the draft models named with ``--draft-model``)
-   with the engine's adaptive planner choosing K up to ``--num-speculative-tokens`` (the planner's
+   with the engine's adaptive planner choosing K up to ``--max-num-speculative-tokens`` (the planner's
    K): acceptance by position, tokens per target pass, and speedup over the baseline at each batch
    size (static batches of that many requests, baseline and drafters interleaved);
 3. the memory each drafter adds: weights, KV cache, and the scratch of a verification pass;
@@ -283,7 +283,8 @@ def register(sub) -> None:
                    help="a built-in name (see `quickdraft models`), a .gguf file or a Hugging Face directory")
     p.add_argument("--draft-model", action="append", default=[], help="a draft model to measure (repeatable)")
     p.add_argument("--methods", default="ngram,suffix", help="model-free drafters to measure, comma-separated")
-    p.add_argument("--num-speculative-tokens", type=int, default=8, help="the most K the planner may choose")
+    add_flag(p, "--max-num-speculative-tokens", dest="num_speculative_tokens", type=int, default=8,
+             deprecated=("--num-speculative-tokens",), help="the most K the planner may choose")
     add_flag(p, "--batch-size", default=",".join(map(str, BATCH_SIZES)), deprecated=("--batch-sizes",),
              help="requests in a static batch, comma-separated: each is measured")
     add_flag(p, "--num-prompts", type=int, default=10, deprecated=("--limit",),
@@ -307,7 +308,7 @@ def command(args) -> str:
     words = ["quickdraft", "advise", args.prompts, "--model", args.model]
     for d in args.draft_model:
         words += ["--draft-model", d]
-    words += ["--methods", args.methods, "--num-speculative-tokens", str(args.num_speculative_tokens),
+    words += ["--methods", args.methods, "--max-num-speculative-tokens", str(args.num_speculative_tokens),
               "--batch-size", args.batch_size, "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
               "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     return shlex.join(words)

@@ -23,7 +23,7 @@ def bench(tmp_path, *extra) -> dict:
     # cheap that it may plan K=0, and the acceptance plot would have nothing to show)
     # n=1..4: a match of one token is all but certain in 8 tokens of any output (with n=2..4 whether
     # ngram drafts at all hangs on what the model happens to write)
-    argv = ["bench", "--model", "smollm2-135m-instruct", "--methods", "none,ngram", "--num-speculative-tokens", "2",
+    argv = ["bench", "--model", "smollm2-135m-instruct", "--methods", "none,ngram", "--num-speculative-tokens-list", "2",
             "--prompt-lookup-min", "1", "--peers", "none", "--warmup-tokens", "2", "--no-progress", "--quantization", "none", "--result-dir", str(out), *extra]
     assert main(argv) == 0
     return json.loads((out / "results.json").read_text())

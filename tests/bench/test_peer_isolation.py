@@ -118,7 +118,7 @@ def test_dead_peers_become_notes_and_the_rest_is_kept(fakes):
 def test_bench_survives_a_segfaulting_and_a_hanging_peer(fakes, smollm2_path, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["bench", "--model", "smollm2-135m-instruct", "--methods", "none,ngram",
-                 "--num-speculative-tokens", "2", "--datasets", "humaneval", "--num-prompts", "2", "--max-tokens", "4",
+                 "--num-speculative-tokens-list", "2", "--datasets", "humaneval", "--num-prompts", "2", "--max-tokens", "4",
                  "--warmup-tokens", "2", "--peers", "segv_on_second_request,hang_on_second_request",
                  "--peer-num-speculative-tokens", "2", "--peer-timeout", "20", "--no-progress",
                  "--result-dir", str(out)]) == 0
