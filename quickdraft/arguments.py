@@ -195,7 +195,7 @@ def resolve_model_args(args: argparse.Namespace) -> argparse.Namespace:
         # `serve --served-model-name NAME MODEL`: the option's list took the model named after it
         named, args.served_model_name = served[-1], served[:-1]
     if named is not None:
-        if args.model not in (DEFAULT_MODEL, named):
+        if args.model not in (None, DEFAULT_MODEL, named):  # None: the command's own default (bench)
             raise ConfigError(f"two models named: {named} and --model {args.model}; name one", "model")
         args.model = named
     if getattr(args, "dtype", None) == "auto":

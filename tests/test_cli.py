@@ -162,6 +162,11 @@ def test_generate_takes_model_then_prompt(monkeypatch):
     (["serve", "gemma3-270m", "--served-model-name", "foo", "bar"], "gemma3-270m", ("served_model_name", ["foo", "bar"])),
     (["serve", "--served-model-name", "foo", "bar"], "smollm2-135m-instruct", ("served_model_name", ["foo", "bar"])),
     (["bench", "accuracy", "--num-prompts", "2"], None, ("bench_command", "accuracy")),
+    # bench too: right after the word bench, before its sub-command, or after it
+    (["bench", "gemma3-270m", "--methods", "none,ngram"], "gemma3-270m", ("methods", "none,ngram")),
+    (["bench", "gemma3-270m", "accuracy", "--num-prompts", "2"], "gemma3-270m", ("bench_command", "accuracy")),
+    (["bench", "accuracy", "gemma3-270m", "--num-prompts", "2"], "gemma3-270m", ("num_prompts", 2)),
+    (["bench", "--methods", "none"], None, ("model", None)),
 ])
 def test_arguments_as_users_write_them(argv, model, extra):
     from quickdraft.arguments import resolve_model_args
@@ -176,3 +181,19 @@ def test_arguments_as_users_write_them(argv, model, extra):
 def test_two_models_named_is_an_error(capsys):
     code = main(["check", "gemma3-270m", "--model", "qwen2.5-coder-0.5b-instruct"])
     assert code == 2 and "two models named" in capsys.readouterr().err
+    code = main(["bench", "gemma3-270m", "--model", "qwen2.5-coder-0.5b-instruct"])
+    assert code == 2 and "two models named" in capsys.readouterr().err
+
+
+def test_bench_runs_the_model_named_first():
+    from quickdraft.arguments import resolve_model_args
+    from quickdraft.bench import accuracy, cli as bench_cli
+    from quickdraft.commands.cli import build_parser, parse
+
+    settings = lambda *argv: bench_cli.resolve(resolve_model_args(parse(build_parser(), ["bench", *argv])))  # noqa: E731
+    assert settings("gemma3-270m")["model"] == "gemma3-270m"
+    assert settings()["model"] == bench_cli.DEFAULTS["model"]
+    assert settings("gemma3-270m", "--suite", "quick")["model"] == "gemma3-270m"  # the model given wins
+    config = lambda *argv: accuracy.config_from_args(resolve_model_args(parse(build_parser(), ["bench", *argv])))  # noqa: E731
+    assert config("gemma3-270m", "accuracy").model == "gemma3-270m"
+    assert config("accuracy").model == accuracy.AccuracyConfig.model

@@ -399,10 +399,11 @@ def markdown(result: dict) -> str:
 def register(subparsers) -> None:
     p = subparsers.add_parser("accuracy", help="int8-activation blocks vs the dequantized path, and vs llama.cpp",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from quickdraft.arguments import add_dtype_arg, add_flag, add_switch
+    from quickdraft.arguments import add_dtype_arg, add_flag, add_model_positional, add_switch
 
     d = AccuracyConfig()
-    p.add_argument("--model", default=d.model, help="a built-in name or a .gguf file")
+    add_model_positional(p)
+    p.add_argument("--model", default=None, help=f"a built-in name or a .gguf file (default: {d.model})")
     add_dtype_arg(p, help="the dequantized weights' and both paths' activations")
     p.add_argument("--device", default=d.device)
     add_flag(p, "--num-prompts", type=int, default=d.limit, deprecated=("--limit",),
@@ -423,7 +424,7 @@ def register(subparsers) -> None:
 def config_from_args(args) -> AccuracyConfig:
     if args.num_prompts < 0 or args.num_greedy_prompts < 0 or args.chunk < 1 or args.max_tokens < 1:
         raise ConfigError("--num-prompts and --num-greedy-prompts must be >= 0, --chunk and --max-tokens >= 1")
-    return AccuracyConfig(model=args.model, dtype=args.dtype, device=args.device, limit=args.num_prompts,
+    return AccuracyConfig(model=args.model or AccuracyConfig.model, dtype=args.dtype, device=args.device, limit=args.num_prompts,
                           chunk=args.chunk, greedy_limit=args.num_greedy_prompts, max_tokens=args.max_tokens,
                           llama_cpp=args.llama_cpp,
                           peer_timeout=args.peer_timeout, max_model_len=args.max_model_len)

@@ -2,11 +2,12 @@
 
     quickdraft bench --suite quick --result-dir bench-out/quick
     quickdraft bench accuracy --model qwen2.5-coder-1.5b-instruct --num-prompts 10   # bench/accuracy.py
-    quickdraft bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
+    quickdraft bench qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
         --methods none,ngram,draft_model --num-speculative-tokens-list 2,4,6,8 --datasets humaneval,mtbench \\
         --num-prompts 10 --max-tokens 128 --result-dir bench-out/mine
 
-A suite fills in every flag the command line leaves out; flags given win.
+The model comes first (``quickdraft bench MODEL ...``, ``quickdraft bench MODEL accuracy ...``)
+or as --model. A suite fills in every flag the command line leaves out; flags given win.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def register(subparsers) -> None:
     from quickdraft.arguments import add_flag, add_model_args, add_switch
 
     p = subparsers.add_parser("bench", help="benchmark speculative methods against plain decoding, and peers",
+                              usage="quickdraft bench [MODEL] [options]\n       quickdraft bench [MODEL] accuracy [options]",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, positional=False, shorthands=False)  # a sub-command (accuracy) comes first; its own --draft-model and --num-speculative-tokens-list
     p.set_defaults(model=None, func=run)

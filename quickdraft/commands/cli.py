@@ -41,24 +41,41 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     ``parse_intermixed_args``); a command with sub-commands of its own past that point, or no
     command, is parsed as usual."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    node, named, defaults = parser, [], {}
+    node, named, defaults, model = parser, [], {}, None
     while True:
         subs = [a for a in node._actions if isinstance(a, argparse._SubParsersAction)]
         at = len(named)
+        if subs and model is None and named and _model_first(node, argv[at:]):
+            # `quickdraft bench MODEL [accuracy] ...`: a command with sub-commands of its own takes
+            # the model before them, as the others take it first
+            model = argv.pop(at)
         if not subs or at >= len(argv) or argv[at] not in subs[0].choices:
             break
         named.append((subs[0].dest, argv[at]))
         defaults |= node._defaults
         node = subs[0].choices[argv[at]]
     if not named or any(isinstance(a, argparse._SubParsersAction) for a in node._actions):
-        return parser.parse_args(argv)
-    args = node.parse_intermixed_args(argv[len(named):])
-    for dest, name in named:
-        setattr(args, dest, name)
-    for key, value in defaults.items():
-        if not hasattr(args, key):
-            setattr(args, key, value)
+        args = parser.parse_args(argv)
+    else:
+        args = node.parse_intermixed_args(argv[len(named):])
+        for dest, name in named:
+            setattr(args, dest, name)
+        for key, value in defaults.items():
+            if not hasattr(args, key):
+                setattr(args, key, value)
+    if model is not None:
+        if getattr(args, "model_positional", None) not in (None, model):
+            parser.error(f"two models named: {model} and {args.model_positional}; name one")
+        args.model_positional = model
     return args
+
+
+def _model_first(node: argparse.ArgumentParser, rest: list[str]) -> bool:
+    """Whether ``rest`` starts with a model rather than one of ``node``'s sub-commands or a flag:
+    ``node`` takes --model, and the word is no sub-command's name."""
+    subs = [a for a in node._actions if isinstance(a, argparse._SubParsersAction)]
+    takes_model = any("--model" in a.option_strings for a in node._actions)
+    return (takes_model and bool(rest) and not rest[0].startswith("-") and rest[0] not in subs[0].choices)
 
 
 def main(argv: list[str] | None = None) -> int:
