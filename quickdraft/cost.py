@@ -554,6 +554,125 @@ class TreeChoice:
         self.seconds[trees] = self.decay * self.seconds[trees] + seconds
 
 
+class SpeculationSwitch:
+    """Whether speculating pays at each batch size, measured: vLLM's ``disable_by_batch_size``
+    learned on this machine instead of set by hand.
+
+    The plan (plan_draft_lengths) prices drafts by a fitted cost model, and where that model is
+    wrong (a calibration timed while the machine was busy, rows dearer under load than the fit
+    says, a draft's catch-up after a pause) a batch that speculates can run slower than the same
+    batch decoding plainly: four clients at a time on the Qwen2.5-Coder pair went 0.87x plain.
+    So, as TreeChoice does for trees, each batch size keeps the tokens per second of its whole
+    decoding steps (drafting, the target's pass, verification) in each mode, and runs the faster:
+
+    * a batch size starts speculating (the plan decides K), unless a smaller one was measured
+      to lose, in which case it starts plain;
+    * while speculating, plain decoding is tried for ``run`` steps only where speculation looks
+      doubtful: its measured rate is below ``margin`` times the plain rate the target's cost model
+      predicts (so one request whose drafts pay 1.5x never spends a step on a plain probe);
+    * while plain, speculation is tried for ``run`` steps every ``interval`` steps, the interval
+      doubling each time the probe loses (up to ``longest``), so that a batch that never pays
+      costs less and less to keep checking, and a change of text or load is still seen;
+    * the first step of each run is not measured: the draft model reads what it missed while it
+      did not draft (its catch-up), a cost of switching, not of the mode.
+
+    Decisions change nothing but speed: either mode's output is the target's."""
+
+    def __init__(self, run: int = 4, interval: int = 8, longest: int = 256, margin: float = 1.25, decay: float = 0.8):
+        self.run, self.interval, self.longest, self.margin, self.decay = run, interval, longest, margin, decay
+        self._batches: dict[int, _BatchMode] = {}
+
+    def _mode(self, batch: int) -> "_BatchMode":
+        mode = self._batches.get(batch)
+        if mode is None:
+            starts_on = all(m.on for b, m in self._batches.items() if b < batch)
+            mode = self._batches[batch] = _BatchMode(on=starts_on, interval=self.interval)
+        return mode
+
+    def preferred(self, batch: int) -> bool:
+        """Whether a step of ``batch`` sequences speculates, without counting it as a decoding step
+        (a step that reads prompts)."""
+        m = self._mode(batch)
+        return m.on != (m.probe_left > 0)
+
+    def speculate(self, batch: int, plain_estimate: float | None = None) -> bool:
+        """Whether this decoding step of ``batch`` sequences speculates (the step is then
+        ``record``ed). ``plain_estimate``: the tokens per second the cost model predicts for a plain
+        step of this batch, which decides whether plain decoding is worth a probe."""
+        m = self._mode(batch)
+        if m.probe_left:
+            return not m.on
+        m.since += 1
+        if m.since < m.interval:
+            return m.on
+        if m.on:
+            rate = m.rate(True)
+            doubtful = rate is not None and (plain_estimate is None or rate < self.margin * plain_estimate)
+            if not doubtful:
+                return True
+        m.start_probe(self.run)
+        return not m.on
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decoding step of ``batch`` sequences that ``speculated`` (its mode, whatever K the
+        plan gave) made ``tokens`` tokens in ``seconds``."""
+        m = self._batches.get(batch)
+        if m is None or seconds <= 0:
+            return
+        if m.skip:  # the first step of a run: the switch's own cost
+            m.skip = False
+        elif m.probe_left:
+            m.probe[0] += tokens
+            m.probe[1] += seconds
+        else:
+            m.tokens[speculated] = self.decay * m.tokens[speculated] + tokens
+            m.seconds[speculated] = self.decay * m.seconds[speculated] + seconds
+        if m.probe_left:
+            m.probe_left -= 1
+            if not m.probe_left:
+                self._decide(m)
+
+    def _decide(self, m: "_BatchMode") -> None:
+        """A probe of the other mode has ended: switch to it where it was faster than the current
+        mode's recent steps."""
+        other = not m.on
+        probe_rate = m.probe[0] / m.probe[1] if m.probe[1] > 0 else None
+        if probe_rate is not None:  # the probe's steps become that mode's record
+            m.tokens[other], m.seconds[other] = m.probe
+        current = m.rate(m.on)
+        if probe_rate is not None and (current is None or probe_rate > current):
+            m.on, m.interval, m.skip = other, self.interval, True
+        else:
+            m.interval = min(2 * m.interval, self.longest)
+            m.skip = True  # back to the current mode: a draft that paused catches up again
+
+    def to_dict(self) -> dict:
+        """Each batch size's mode and measured rates (tokens per second), for reports."""
+        return {b: {"speculating": m.on, "speculative_tok_s": m.rate(True), "plain_tok_s": m.rate(False)}
+                for b, m in sorted(self._batches.items())}
+
+
+@dataclass
+class _BatchMode:
+    on: bool
+    interval: int
+    since: int = 0  # decoding steps since the last probe
+    probe_left: int = 0  # steps left in a probe of the other mode
+    skip: bool = False  # the next step is the first of a run: not measured
+    probe: list = None  # [tokens, seconds] of the probe under way
+    tokens: dict = None
+    seconds: dict = None
+
+    def __post_init__(self):
+        self.tokens, self.seconds, self.probe = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}, [0.0, 0.0]
+
+    def rate(self, mode: bool) -> float | None:
+        return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] > 0 else None
+
+    def start_probe(self, run: int) -> None:
+        self.probe_left, self.probe, self.since, self.skip = run, [0.0, 0.0], 0, True
+
+
 def step_rate(ks: list[int], alphas: list[float], target: LinearCost, draft: LinearCost | None,
               contexts: list[int] | None = None) -> float:
     """Expected tokens per second of one decoding step (one pending token each) with draft

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from quickdraft.cost import (ANCHOR_WEIGHT, KNEE, RECENT, Acceptance, LinearCost, expected_tokens, plan_draft_lengths,
-                             step_rate)
+from quickdraft.cost import (ANCHOR_WEIGHT, KNEE, RECENT, Acceptance, LinearCost, SpeculationSwitch, expected_tokens,
+                             plan_draft_lengths, step_rate)
 
 
 def test_linear_cost_fits_its_points_and_follows_what_it_observes():
@@ -280,3 +280,56 @@ def test_the_condition_bound_holds_and_the_solve_is_numpys():
             eig = np.linalg.eigvalsh(a)
             assert n * (inv**2).sum() >= eig[-1] / eig[0] * (1 - 1e-9)
     assert _cholesky([[1.0, 1.0], [1.0, 1.0]]) is None  # singular: no positive pivot
+
+
+def _drive(switch: SpeculationSwitch, batch: int, rates: dict[bool, float], steps: int, plain_estimate=None) -> list[bool]:
+    """``steps`` decoding steps of ``batch`` sequences where a speculative step makes tokens at
+    rates[True] a second and a plain one at rates[False]; the modes the switch chose."""
+    modes = []
+    for _ in range(steps):
+        on = switch.speculate(batch, plain_estimate if plain_estimate is not None else rates[False])
+        modes.append(on)
+        switch.record(batch, on, 10, 10 / rates[on])
+    return modes
+
+
+def test_the_switch_keeps_speculating_where_it_clearly_pays_without_a_plain_probe():
+    switch = SpeculationSwitch()
+    assert all(_drive(switch, 1, {True: 60.0, False: 30.0}, 300))
+
+
+def test_the_switch_turns_off_a_batch_size_where_speculation_loses_and_probes_less_and_less():
+    switch = SpeculationSwitch(run=4, interval=8, longest=256)
+    modes = _drive(switch, 4, {True: 52.0, False: 60.0}, 1000)
+    assert not switch.preferred(4)
+    plain_share = modes[100:].count(False) / len(modes[100:])
+    assert plain_share > 0.97  # the probes of speculation become rare
+    # probes grow apart: the gaps between speculative runs after the switch
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 256
+    # a larger batch starts plain where a smaller one lost; a smaller one starts speculating
+    assert not switch.preferred(6) and switch.preferred(2)
+
+
+def test_the_switch_turns_back_on_when_speculation_starts_to_pay():
+    switch = SpeculationSwitch(run=4, interval=8, longest=64)
+    _drive(switch, 3, {True: 40.0, False: 60.0}, 200)
+    assert not switch.preferred(3)
+    modes = _drive(switch, 3, {True: 90.0, False: 60.0}, 200)
+    assert switch.preferred(3) and modes[-100:].count(True) > 95
+
+
+def test_the_switch_does_not_measure_a_runs_first_step():
+    """The first step after a switch carries the draft's catch-up: a slow one there must not
+    make the probe lose."""
+    switch = SpeculationSwitch(run=4, interval=8)
+    _drive(switch, 2, {True: 40.0, False: 60.0}, 14)  # 8 steps, a plain probe of 4, 2 plain steps
+    assert not switch.preferred(2)
+    modes = []
+    for _ in range(300):  # speculation now pays, but each run's first step costs 10x
+        on = switch.speculate(2, 60.0)
+        first = bool(modes) and on != modes[-1]
+        modes.append(on)
+        switch.record(2, on, 10, 10 / (90.0 if on else 60.0) * (10 if first and on else 1))
+    assert switch.preferred(2)

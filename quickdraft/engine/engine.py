@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 
 from quickdraft.config import EngineConfig
-from quickdraft.cost import TRUSTED_PASSES, Acceptance, calibrate, expected_tokens, plan_draft_lengths
+from quickdraft.cost import (TRUSTED_PASSES, Acceptance, SpeculationSwitch, calibrate, expected_tokens, key_reads,
+                             plan_draft_lengths)
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
 from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.runner import Runner, StepResult
@@ -67,6 +69,10 @@ class Engine:
         # the runner commits each step's tokens under these rules and counts them into these counters
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost,
                              StopRules(self.eos_token_ids, self.max_model_len), self.stats, self.acceptance)
+        # adaptive, with a drafter whose passes cost time (a draft model, a head): whether speculating
+        # pays at each batch size, measured step by step (cost.py). A free drafter (n-gram, suffix)
+        # costs only the target rows its drafts add, which the refitted target model prices.
+        self.switch = SpeculationSwitch() if target_cost is not None and self.proposer.cost is not None else None
         # the passes on the cores other processes leave free (engine/threads.py), where the kernels run
         # the layers: their bits do not depend on the thread count
         on_kernels = self.decoder.device.type == "cpu" and self.decoder.native is not None
@@ -121,9 +127,22 @@ class Engine:
         if self.threads is not None:
             self.threads.update()
         self._reuse_prefixes()
+        started = time.perf_counter()
+        # a decoding step (no prompt in it) is one the speculation switch chooses for and measures
+        decoding = self.switch is not None and self._speculating(seqs) and all(s.num_pending == 1 for s in seqs)
+        speculate = self.switch.speculate(len(seqs), self._plain_rate(seqs)) if decoding else self._switched_on(seqs)
         self._draft_reads_prompts(seqs)
-        results = self.runner.step(seqs, self._num_draft(seqs), self._forced_room(seqs))
-        return [self._postprocess(r) for r in results]
+        ks = self._num_draft(seqs) if speculate else [0] * len(seqs)
+        results = self.runner.step(seqs, ks, self._forced_room(seqs))
+        outputs = [self._postprocess(r) for r in results]
+        if decoding:
+            self.switch.record(len(seqs), speculate, sum(len(r.token_ids) for r in results), time.perf_counter() - started)
+        return outputs
+
+    def _plain_rate(self, seqs: list[Sequence]) -> float:
+        """Tokens per second the target's cost model predicts for a plain decoding step of ``seqs``."""
+        cost = self.runner.target_cost
+        return len(seqs) / max(cost(len(seqs), len(seqs), sum(key_reads(s.num_cached, 1) for s in seqs)), 1e-9)
 
     def _reuse_prefixes(self) -> None:
         """For each sequence admitted this step, in admission order: the proposer told of its cached
@@ -142,11 +161,12 @@ class Engine:
         does, as vLLM's draft model does: the draft's prompt pass then counts in the time to first
         token, like the target's, instead of delaying the second token by a prefill of the draft
         (the 0.5B draft took 1.1 s to read 126 tokens on a 2-core AMD EPYC Zen 1). Not where the
-        request takes no drafts or the batch has turned speculation off; a prompt read in vain
+        request takes no drafts, the batch has turned speculation off, or speculating was measured
+        to lose at this batch size (SpeculationSwitch); a prompt read in vain
         (the plan then drafts nothing for it) costs a draft prefill, which the draft would
         otherwise read at its first draft."""
         read = getattr(self.proposer, "read_prompt", None)
-        if read is None or not self._speculating(seqs):
+        if read is None or not self._switched_on(seqs):
             return
         prompts = [s for s in seqs if s.num_pending > 1 and self.draft_cap(s.params) > 0]
         if prompts:
@@ -156,6 +176,10 @@ class Engine:
         """Speculation is on, and this step's batch has not reached ``disable_by_batch_size``."""
         spec = self.config.speculative
         return spec.enabled and (spec.disable_by_batch_size is None or len(seqs) < spec.disable_by_batch_size)
+
+    def _switched_on(self, seqs: list[Sequence]) -> bool:
+        """Speculation is on for this batch, and the switch has not measured it losing at this size."""
+        return self._speculating(seqs) and (self.switch is None or self.switch.preferred(len(seqs)))
 
     def draft_cap(self, params: SamplingParams) -> int:
         """The most draft tokens a step a request with ``params`` may take: the engine's K, or
