@@ -100,6 +100,34 @@ bench: $(VENV)/.qwen
 bench-quick: $(VENV)/.qwen
 	$(PY) -m quickdraft bench --suite quick --result-dir bench-out/quick
 
+# llama.cpp's own server, the bench's llama_server peer (plain, -md with the same draft, its n-gram
+# modes): built from the llama.cpp that llama-cpp-python $(LLAMA_SERVER_FROM) vendors, with the same
+# instruction sets as above (AMX off; QUICKDRAFT_ISA=avx2 for AVX2 alone), the llama-server target
+# only (about 10 minutes on 2 cores), into $QUICKDRAFT_CACHE/llama-server/<isa>/bin/, where the peer
+# looks for it. cmake comes from apt-get where it is missing and apt-get can (root).
+LLAMA_SERVER_FROM := llama-cpp-python==0.3.36
+LLAMA_SERVER_DIR := $(or $(QUICKDRAFT_CACHE),$(HOME)/.cache/quickdraft)/llama-server/$(or $(QUICKDRAFT_ISA),native)
+LLAMA_SERVER_BIN := $(LLAMA_SERVER_DIR)/bin/llama-server
+.PHONY: llama-server
+llama-server: $(LLAMA_SERVER_BIN)
+bench: llama-server
+
+$(LLAMA_SERVER_BIN):
+	@command -v cmake >/dev/null && command -v g++ >/dev/null \
+		|| { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get update -qq \
+		     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ >/dev/null; }
+	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
+	mkdir -p $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/bin
+	$(or $(wildcard $(PY)),$(PYTHON)) -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
+		$(LLAMA_SERVER_FROM) -d $(LLAMA_SERVER_DIR)/src
+	tar xzf $(LLAMA_SERVER_DIR)/src/*.tar.gz -C $(LLAMA_SERVER_DIR)/src --strip-components=1
+	cmake -S $(LLAMA_SERVER_DIR)/src/vendor/llama.cpp -B $(LLAMA_SERVER_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+		$(LLAMA_CPP_CMAKE_ARGS) -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server -j$$(nproc)
+	cp $(LLAMA_SERVER_DIR)/build/bin/llama-server $@.tmp && mv $@.tmp $@
+	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
+
 # The Qwen 1.5B's EAGLE-3 and Medusa heads and distilled 0.5B draft, trained on this machine (README,
 # "Trained heads"): 150k tokens of the installed packages' sources labelled by the target (19 min
 # here, 130 tokens/s on the 2 cores of the AMD EPYC), then each head (EAGLE-3: 450 steps of two
