@@ -74,16 +74,45 @@ def current_table(folder: str) -> str:
                      f"| {_cell(al, 'tokens_per_second_median', '{:.2f}')} "
                      f"| {_cell(al, 'mean_accepted_length', '{:.2f}')} "
                      f"| {al['speedup']['median']:.2f}x | {'-' if same is None else f'{same:.0%}'} |")
-    for peer in (result.get("peers") or {}).get("summary", []):
+    peers = (result.get("peers") or {}).get("summary", [])
+    for peer in peers:
         if peer["dataset"] == "all":
             lines.append(f"| {peer['name']} (peer) | | | {peer['tokens_per_second_median']:.2f} | | | "
                          f"{peer['fraction_identical_to_quickdraft_none']:.0%} |")
+    lines += _llama_cpp_rows(peers)
     machine = result["machine"]
     head = (f"Run of {result['started_at'][:10]} on {machine['cpu']} ({machine['cpu_count']} cores, "
             f"{machine['torch_threads']} torch threads), torch {result['versions']['torch']}; "
             f"[the run's folder](archive/{folder}/README.md).\n\n"
             f"```bash\n{result['command']}\n```\n")
     return head + "\n" + "\n".join(lines) + "\n"
+
+
+def _llama_cpp_rows(peers: list[dict]) -> list[str]:
+    """"llama.cpp plain" and "llama.cpp best" (the fastest plain, and the fastest of all, of the
+    llama.cpp peers' methods) on each data set, each cell naming the method where it is not the
+    one of the row's label (the one on all the requests)."""
+    from quickdraft.bench.peers import llama_cpp_best
+
+    by_set = {b["dataset"]: b for b in llama_cpp_best(peers)}
+    if not by_set:
+        return []
+    lines = []
+    for kind in ("plain", "best"):
+        label = (by_set.get("all") or next(iter(by_set.values())))[kind]
+        cells = []
+        for dataset in ("humaneval", "mtbench", "all"):
+            row = (by_set.get(dataset) or {}).get(kind)
+            if row is None or row.get("tokens_per_second_median") is None:
+                cells.append("-")
+                continue
+            named = "" if label is not None and row["name"] == label["name"] else f" ({row['name']})"
+            cells.append(f"{row['tokens_per_second_median']:.2f}{named}")
+        same = (by_set.get("all") or {}).get(kind) or {}
+        ident = same.get("fraction_identical_to_quickdraft_none")
+        lines.append(f"| llama.cpp {kind}: {label['name'] if label else '-'} | {cells[0]} | {cells[1]} | {cells[2]} "
+                     f"| | | {'-' if ident is None else f'{ident:.0%}'} |")
+    return lines
 
 
 def current_tables() -> str:

@@ -39,12 +39,12 @@ SUITES = {
     # about 5 minutes here: 2 HumanEval prompts and 2 MT-Bench questions (4 turns), 64 tokens
     "quick": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench", "num_prompts": 2,
               "max_tokens": 64, "methods": "none,ngram,draft_model", "num_speculative_tokens": "4",
-              "peers": "llama_cpp"},
+              "peers": "llama_cpp,llama_server"},
     # the figures of docs/benchmarks/archive/bf16-standard-suite, 50.5 minutes on a 2-core AMD EPYC: 4 HumanEval prompts and one
-    # MT-Bench question of each of its 8 categories (16 turns), 96 tokens, K = 2, 4, 6, 8, peers
+    # MT-Bench question of each of its 8 categories (16 turns), 96 tokens, K = 2, 4, 6, 8, peers (llama_server added since)
     "standard": {"model": QWEN15, "draft_model": QWEN05, "datasets": "humaneval,mtbench",
                  "num_prompts": "humaneval=4,mtbench=8", "max_tokens": 96, "methods": "none,ngram,draft_model",
-                 "num_speculative_tokens": "2,4,6,8", "peers": "transformers,llama_cpp"},
+                 "num_speculative_tokens": "2,4,6,8", "peers": "transformers,llama_cpp,llama_server"},
 }
 FLAGS = {  # setting -> its flag, in the order the reproducing command lists them
     "model": "--model", "draft_model": "--draft-model", "datasets": "--datasets", "num_prompts": "--num-prompts",
@@ -88,7 +88,8 @@ def register(subparsers) -> None:
     add_switch(p, "--adaptive", default=None, values=("true,false", "false,true"),
                help="K planned per step, up to each K (the default); --no-adaptive: always K. To compare both, "
                     "add a variant with \"adaptive\": false through --speculative-config")
-    p.add_argument("--peers", help="comma-separated: transformers, llama_cpp, or none")
+    p.add_argument("--peers", help="comma-separated: transformers, llama_cpp, llama_server (llama.cpp's own server "
+                                   "and speculation: make llama-server), or none")
     p.add_argument("--peer-num-speculative-tokens", type=int, help="K of the peers' speculative methods")
     p.add_argument("--peer-timeout", type=float,
                    help="seconds each peer may run in its own process before it is killed and noted (default 1800)")

@@ -8,6 +8,13 @@
 - ``llama.cpp`` through ``llama-cpp-python``: the GGUF as it is (quantized: it reads fewer bytes
   per token than a bfloat16 engine), plain greedy decoding and its prompt lookup draft
   (``LlamaPromptLookupDecoding``).
+- ``llama_server``: llama.cpp's own server (``llama-server``, built by ``make llama-server``) on
+  the same GGUF, plain and with its own speculation: the same draft file (``-md``) and its n-gram
+  modes (quickdraft/bench/llama_server.py).
+
+"llama.cpp plain" and "llama.cpp best" (``llama_cpp_best``) are the fastest plain method and the
+fastest method of all of llama.cpp's, over both llama.cpp peers, per data set: the report sets
+them side by side.
 
 Each is an optional extra (``pip install quickdraft[peers]``); a peer that is not installed, or
 cannot read the model, is skipped with a note. Peers run greedy only, after quickdraft's runs (the
@@ -41,22 +48,29 @@ from pathlib import Path
 from typing import Callable
 
 from quickdraft import stats
+from quickdraft.bench.llama_server import parse_system_info
 from quickdraft.bench.summary import ALL, groups
 
-PEERS = ("transformers", "llama_cpp")
-COUNTERPART = {"plain": "none", "assisted": "draft_model", "prompt_lookup": "ngram"}
+PEERS = ("transformers", "llama_cpp", "llama_server")
+COUNTERPART = {"plain": "none", "assisted": "draft_model", "prompt_lookup": "ngram", "draft": "draft_model",
+               "ngram_simple": "ngram", "ngram_map_k": "ngram", "ngram_mod": "ngram", "ngram_cache": "ngram"}
+LLAMA_CPP_PEERS = ("llama_cpp", "llama_server")  # the peers that are llama.cpp
 # peer -> "module:function" that builds its methods in the child (tests add fakes here)
 FACTORIES = {"transformers": "quickdraft.bench.peers:transformers_peer",
-             "llama_cpp": "quickdraft.bench.peers:llama_cpp_peer"}
-MODULES = {"transformers": "transformers", "llama_cpp": "llama_cpp"}  # a peer is installed when its module is
-INSTALL = {"transformers": "transformers accelerate", "llama_cpp": "llama-cpp-python"}
+             "llama_cpp": "quickdraft.bench.peers:llama_cpp_peer",
+             "llama_server": "quickdraft.bench.llama_server:llama_server_peer"}
+# a peer is installed when its module is (llama_server: when its binary is, llama_server.binary)
+MODULES = {"transformers": "transformers", "llama_cpp": "llama_cpp"}
+INSTALL = {"transformers": "pip install 'quickdraft[peers]', or transformers accelerate",
+           "llama_cpp": "pip install 'quickdraft[peers]', or llama-cpp-python",
+           "llama_server": "make llama-server, or $QUICKDRAFT_LLAMA_SERVER"}
 DEFAULT_TIMEOUT_S = 1800.0
 
 
 @dataclass
 class PeerMethod:
-    peer: str  # "transformers" | "llama_cpp"
-    method: str  # "plain" | "assisted" | "prompt_lookup"
+    peer: str  # "transformers" | "llama_cpp" | "llama_server"
+    method: str  # a key of COUNTERPART: "plain" | "assisted" | "prompt_lookup" | "draft" | "ngram_.."
     settings: dict
     generate: Callable[[list[int]], dict]  # prompt ids -> token_ids, timing
 
@@ -214,14 +228,7 @@ def llama_cpp_system() -> dict:
     except Exception as e:  # an older binding without it
         text = f"unavailable: {type(e).__name__}: {e}"
     info["system_info"] = text
-    features = {}
-    for part in text.replace("\n", "|").split("|"):
-        if "=" in part:
-            key, _, value = part.rpartition("=")
-            key = key.split(":")[-1].strip()
-            if key and value.strip().isdigit():
-                features[key] = int(value.strip())
-    info["features"] = features
+    info["features"] = parse_system_info(text)
     return info
 
 
@@ -293,6 +300,10 @@ def _child() -> int:
 # -- the parent ---------------------------------------------------------------------------------
 
 def _installed(peer: str) -> bool:
+    if peer == "llama_server":
+        from quickdraft.bench.llama_server import binary
+
+        return binary() is not None
     module = MODULES.get(peer)
     return module is None or importlib.util.find_spec(module) is not None
 
@@ -440,8 +451,7 @@ def run_peers(config, target: str, draft: str | None, eos: set[int], requests, q
     methods, runs, statuses = [], [], []
     for peer in config.peers:
         if not _installed(peer):
-            notes.append(f"peer {peer} skipped: not installed (pip install 'quickdraft[peers]', or "
-                         f"{INSTALL.get(peer, peer)})")
+            notes.append(f"peer {peer} skipped: not installed ({INSTALL.get(peer, peer)})")
             statuses.append({"peer": peer, "status": "missing", "requests_finished": 0,
                              "requests_total": len(requests)})
             continue
@@ -508,8 +518,34 @@ def summarize(methods: list[dict], runs: list[dict], requests: list[dict], qd_ru
                 "quickdraft_tokens_per_second_median": stats.median(list(ours.values())) if ours else None,
                 "quickdraft_over_peer": stats.speedup(theirs, ours)["median"] if ours else None,
                 "fraction_identical_to_quickdraft_none": sum(same) / len(same) if same else None,
+                "draft_acceptance_rate": _acceptance(list(mine.values())),
             })
     return rows
+
+
+def _acceptance(runs: list[dict]) -> float | None:
+    """Accepted over drafted tokens, where the peer counts them (llama-server does)."""
+    drafted = sum(r.get("num_draft_tokens") or 0 for r in runs)
+    return sum(r.get("num_accepted_tokens") or 0 for r in runs) / drafted if drafted else None
+
+
+def llama_cpp_best(summary: list[dict]) -> list[dict]:
+    """Per data set: "llama.cpp plain" (the fastest plain method of the llama.cpp peers) and
+    "llama.cpp best" (the fastest of all their methods: plain, prompt lookup, llama-server's draft
+    model and n-gram modes), each a peer summary row, and best over plain."""
+    out = []
+    for dataset in dict.fromkeys(r["dataset"] for r in summary):
+        rows = [r for r in summary if r["dataset"] == dataset and r["peer"] in LLAMA_CPP_PEERS
+                and r["tokens_per_second_median"] is not None]
+        plain = [r for r in rows if r["method"] == "plain"]
+        if not rows:
+            continue
+        fastest = max(rows, key=lambda r: r["tokens_per_second_median"])
+        base = max(plain, key=lambda r: r["tokens_per_second_median"]) if plain else None
+        ratio = (fastest["tokens_per_second_median"] / base["tokens_per_second_median"]
+                 if base and base["tokens_per_second_median"] else None)
+        out.append({"dataset": dataset, "plain": base, "best": fastest, "best_over_plain": ratio})
+    return out
 
 
 

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+from quickdraft.bench.peers import llama_cpp_best
 from quickdraft.bench.summary import ALL, best, top_dataset
 from quickdraft.report_format import clean, figure, md_table, text_table
 
@@ -69,17 +70,51 @@ def main_rows(rows: list[dict], categories: bool) -> list[list[str]]:
     return out
 
 
-PEER_HEADERS = ["peer", "dataset", "n", "tok/s med", "TTFT s", "speedup/own plain", "quickdraft twin",
+PEER_HEADERS = ["peer", "dataset", "n", "tok/s med", "TTFT s", "speedup/own plain", "draft acc.", "quickdraft twin",
                 "qd tok/s", "quickdraft/peer", "same as qd none"]
 
 
+def _peer_row(r: dict, name: str | None = None) -> list[str]:
+    return [name or r["name"], r["dataset"], str(r["n"]), _f(r["tokens_per_second_median"]), _f(r["ttft_median_s"], 3),
+            _f(r["speedup_over_own_plain"], 2, "x"), _pct(r.get("draft_acceptance_rate")),
+            r["quickdraft_variant"] or "-", _f(r["quickdraft_tokens_per_second_median"]),
+            _f(r["quickdraft_over_peer"], 2, "x"), _pct(r["fraction_identical_to_quickdraft_none"])]
+
+
 def peer_rows(peers: dict | None) -> list[list[str]]:
+    """Every peer method, then per data set "llama.cpp plain" and "llama.cpp best" (the fastest
+    plain and the fastest of all llama.cpp's methods) side by side."""
     if not peers:
         return []
-    return [[r["name"], r["dataset"], str(r["n"]), _f(r["tokens_per_second_median"]), _f(r["ttft_median_s"], 3),
-             _f(r["speedup_over_own_plain"], 2, "x"), r["quickdraft_variant"] or "-",
-             _f(r["quickdraft_tokens_per_second_median"]), _f(r["quickdraft_over_peer"], 2, "x"),
-             _pct(r["fraction_identical_to_quickdraft_none"])] for r in peers["summary"]]
+    rows = [_peer_row(r) for r in peers["summary"]]
+    for b in llama_cpp_best(peers["summary"]):
+        if b["plain"]:
+            rows.append(_peer_row(b["plain"], f"llama.cpp plain = {b['plain']['name']}"))
+        rows.append(_peer_row(b["best"], f"llama.cpp best = {b['best']['name']}"))
+    return rows
+
+
+LLAMA_HEADERS = ["dataset", "llama.cpp plain", "tok/s", "llama.cpp best", "tok/s", "best/plain", "quickdraft best",
+                 "tok/s", "quickdraft best / llama.cpp plain", "quickdraft best / llama.cpp best"]
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def llama_rows(result: dict) -> list[list[str]]:
+    """Per data set: llama.cpp plain, llama.cpp best, and quickdraft's best variant beside them."""
+    out = []
+    for b in llama_cpp_best((result.get("peers") or {}).get("summary") or []):
+        plain, top = b["plain"] or {}, b["best"]
+        ours = best(result["summary"], dataset=b["dataset"])
+        qd = ours["tokens_per_second_median"] if ours else None
+        out.append([b["dataset"], plain.get("name", "-"), _f(plain.get("tokens_per_second_median")), top["name"],
+                    _f(top["tokens_per_second_median"]), _f(b["best_over_plain"], 2, "x"),
+                    ours["variant"] if ours else "-", _f(qd),
+                    _f(_ratio(qd, plain.get("tokens_per_second_median")), 2, "x"),
+                    _f(_ratio(qd, top["tokens_per_second_median"]), 2, "x")])
+    return out
 
 
 def invariance_line(inv: dict | None) -> str:
@@ -138,6 +173,13 @@ def headline(result: dict) -> list[str]:
             if fastest["tokens_per_second_median"] else float("nan")
         lines.append(f"best peer: {fastest['name']} at {_f(fastest['tokens_per_second_median'])} tok/s; "
                      f"quickdraft's best / it = {_f(ratio, 2, 'x')}")
+    llama = next((x for x in llama_cpp_best(peers) if x["dataset"] == top_dataset(rows)), None)
+    if llama and b:
+        plain, top = llama["plain"] or {}, llama["best"]
+        lines.append(f"llama.cpp plain: {_f(plain.get('tokens_per_second_median'))} tok/s ({plain.get('name', '-')}); "
+                     f"llama.cpp best: {_f(top['tokens_per_second_median'])} tok/s ({top['name']}, "
+                     f"{_f(llama['best_over_plain'], 2, 'x')} its plain); quickdraft's best / llama.cpp best = "
+                     f"{_f(_ratio(b['tokens_per_second_median'], top['tokens_per_second_median']), 2, 'x')}")
     return lines
 
 
@@ -146,6 +188,9 @@ def terminal(result: dict) -> str:
     pr = peer_rows(result.get("peers"))
     if pr:
         parts.append(text_table(PEER_HEADERS, pr))
+    lr = llama_rows(result)
+    if lr:
+        parts.append(text_table(LLAMA_HEADERS, lr))
     ps = peer_status_rows(result.get("peers"))
     if any(row[1] != "ok" for row in ps):
         parts.append(text_table(PEER_STATUS_HEADERS, ps))
@@ -195,12 +240,21 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         out += ["## Peers", ""]
         if pr:
             out += [md_table(PEER_HEADERS, pr), ""]
+        lr = llama_rows(result)
+        if lr:
+            out += ["### llama.cpp plain and at its best", "",
+                    "llama.cpp plain: the fastest plain decoding of the llama.cpp peers (llama-cpp-python, "
+                    "llama-server); llama.cpp best: the fastest of all their methods (prompt lookup, llama-server's "
+                    "draft model and n-gram modes), per data set; quickdraft best: the variant of the fastest "
+                    "median speedup.", "", md_table(LLAMA_HEADERS, lr), ""]
         if ps:
             out += ["Each peer runs in its own process under a time limit; one that crashes, hangs or is "
                     "missing is noted below and the rest of the run is kept.", "",
                     md_table(PEER_STATUS_HEADERS, ps), ""]
             out += [f"- {s['peer']} system info: `{s['system']['system_info']}`"
                      for s in result["peers"]["status"] if (s.get("system") or {}).get("system_info")]
+            out += [f"- {s['peer']} {method}: `{' '.join(cmd)}`" for s in result["peers"]["status"]
+                    for method, cmd in ((s.get("system") or {}).get("commands") or {}).items()]
             out.append("")
     if plots:
         out += ["## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()] + [""]
