@@ -73,6 +73,7 @@ class Engine:
         # pays at each batch size, measured step by step (cost.py). A free drafter (n-gram, suffix)
         # costs only the target rows its drafts add, which the refitted target model prices.
         self.switch = SpeculationSwitch() if target_cost is not None and self.proposer.cost is not None else None
+        self._answer_tokens: float | None = None  # finished answers' length, a decayed mean
         # the passes on the cores other processes leave free (engine/threads.py), where the kernels run
         # the layers: their bits do not depend on the thread count
         on_kernels = self.decoder.device.type == "cpu" and self.decoder.native is not None
@@ -136,7 +137,8 @@ class Engine:
         results = self.runner.step(seqs, ks, self._forced_room(seqs))
         outputs = [self._postprocess(r) for r in results]
         if decoding:
-            self.switch.record(len(seqs), speculate, sum(len(r.token_ids) for r in results), time.perf_counter() - started)
+            seconds = time.perf_counter() - started + (sum(s.draft_read_charge for s in seqs) if speculate else 0.0)
+            self.switch.record(len(seqs), speculate, sum(len(r.token_ids) for r in results), seconds)
         return outputs
 
     def _plain_rate(self, seqs: list[Sequence]) -> float:
@@ -169,8 +171,18 @@ class Engine:
         if read is None or not self._switched_on(seqs):
             return
         prompts = [s for s in seqs if s.num_pending > 1 and self.draft_cap(s.params) > 0]
-        if prompts:
-            read(prompts)
+        if not prompts:
+            return
+        started = time.perf_counter()
+        read(prompts)
+        # the read is a cost of speculating: the switch charges each sequence's share of it to its
+        # speculative steps, spread over the steps its answer is expected to take
+        seconds, tokens = time.perf_counter() - started, sum(s.num_pending for s in prompts)
+        alpha = self.acceptance.rate(0.5)
+        for s in prompts:
+            answer = min(s.params.max_tokens, self._answer_tokens or s.params.max_tokens)
+            steps = max(1.0, answer / expected_tokens(alpha, self.draft_cap(s.params)))
+            s.draft_read_charge = seconds * s.num_pending / tokens / steps
 
     def _speculating(self, seqs: list[Sequence]) -> bool:
         """Speculation is on, and this step's batch has not reached ``disable_by_batch_size``."""
@@ -239,6 +251,8 @@ class Engine:
                 seq.text = seq.detokenizer.text
         if seq.finished:
             self._release(seq)
+            n = len(seq.output_token_ids)
+            self._answer_tokens = n if self._answer_tokens is None else 0.9 * self._answer_tokens + 0.1 * n
         return seq.to_output()
 
     def close(self) -> None:

@@ -144,6 +144,9 @@ class Sequence:
     finish_time: float | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (quickdraft/cost.py)
     steps_without_drafts: int = 0  # decoding steps since its last draft (for probing)
+    # seconds the draft spent reading its prompt, spread over the decoding steps it is expected to
+    # take: what each speculative step of it costs besides its pass (engine.py, SpeculationSwitch)
+    draft_read_charge: float = 0.0
     grammar: GrammarMatcher | None = None  # params.structured's state after output_token_ids
     detokenizer: IncrementalDetokenizer | None = None  # output_token_ids' text, kept up to date by the engine
     _reported: int = 0  # output tokens already handed out in a RequestOutput
