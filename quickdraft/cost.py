@@ -578,7 +578,7 @@ class SpeculationSwitch:
 
     Decisions change nothing but speed: either mode's output is the target's."""
 
-    def __init__(self, run: int = 4, interval: int = 8, longest: int = 256, margin: float = 1.25, decay: float = 0.8):
+    def __init__(self, run: int = 4, interval: int = 16, longest: int = 256, margin: float = 1.15, decay: float = 0.95):
         self.run, self.interval, self.longest, self.margin, self.decay = run, interval, longest, margin, decay
         self._batches: dict[int, _BatchMode] = {}
 

@@ -178,7 +178,7 @@ class Engine:
         # the read is a cost of speculating: the switch charges each sequence's share of it to its
         # speculative steps, spread over the steps its answer is expected to take
         seconds, tokens = time.perf_counter() - started, sum(s.num_pending for s in prompts)
-        alpha = self.acceptance.rate(0.5)
+        alpha = self.acceptance.rate(PROBE_ACCEPTANCE)
         for s in prompts:
             answer = min(s.params.max_tokens, self._answer_tokens or s.params.max_tokens)
             steps = max(1.0, answer / expected_tokens(alpha, self.draft_cap(s.params)))
@@ -211,7 +211,10 @@ class Engine:
                 for s, room in zip(seqs, rooms)]
         if not spec.adaptive or not any(caps):
             return caps
-        prior = self.acceptance.rate(0.5)
+        # Before the engine has seen drafts, they are planned as a probe is (PROBE_ACCEPTANCE): a
+        # neutral 0.5 planned one draft or none for the Qwen2.5-Coder pair's first request, and a
+        # drafter not tried is not measured; a poor one shows itself within a few steps.
+        prior = self.acceptance.rate(PROBE_ACCEPTANCE)
         # A sequence without drafts for probe_interval steps is planned as if its drafts were
         # good (with its whole cap: one draft token alone rarely pays for a draft model's pass):
         # a probe that fails costs its rows, one that succeeds shows that its text has turned
