@@ -509,6 +509,7 @@ def summarize(methods: list[dict], runs: list[dict], requests: list[dict], qd_ru
             ours = {q: qd[(twin, q)]["tokens_per_second"] for q in mine if (twin, q) in qd}
             none = {q: qd[("none", q)]["token_ids"] for q in mine if ("none", q) in qd}
             same = [mine[q]["token_ids"] == none[q] for q in none]
+            prefix = [_common_prefix(none[q], mine[q]["token_ids"]) for q in none]
             rows.append({
                 "name": m["name"], "peer": m["peer"], "method": m["method"], "dataset": dataset, "n": len(mine),
                 "tokens_per_second_median": stats.median(list(theirs.values())),
@@ -518,9 +519,16 @@ def summarize(methods: list[dict], runs: list[dict], requests: list[dict], qd_ru
                 "quickdraft_tokens_per_second_median": stats.median(list(ours.values())) if ours else None,
                 "quickdraft_over_peer": stats.speedup(theirs, ours)["median"] if ours else None,
                 "fraction_identical_to_quickdraft_none": sum(same) / len(same) if same else None,
+                # tokens the peer's output shares with quickdraft's none from the start, median over requests
+                "identical_prefix_median": stats.median(prefix) if prefix else None,
                 "draft_acceptance_rate": _acceptance(list(mine.values())),
             })
     return rows
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    at = stats.first_divergence(a, b)
+    return len(a) if at is None else at
 
 
 def _acceptance(runs: list[dict]) -> float | None:

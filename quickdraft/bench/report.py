@@ -71,14 +71,15 @@ def main_rows(rows: list[dict], categories: bool) -> list[list[str]]:
 
 
 PEER_HEADERS = ["peer", "dataset", "n", "tok/s med", "TTFT s", "speedup/own plain", "draft acc.", "quickdraft twin",
-                "qd tok/s", "quickdraft/peer", "same as qd none"]
+                "qd tok/s", "quickdraft/peer", "same as qd none", "same prefix"]
 
 
 def _peer_row(r: dict, name: str | None = None) -> list[str]:
     return [name or r["name"], r["dataset"], str(r["n"]), _f(r["tokens_per_second_median"]), _f(r["ttft_median_s"], 3),
             _f(r["speedup_over_own_plain"], 2, "x"), _pct(r.get("draft_acceptance_rate")),
             r["quickdraft_variant"] or "-", _f(r["quickdraft_tokens_per_second_median"]),
-            _f(r["quickdraft_over_peer"], 2, "x"), _pct(r["fraction_identical_to_quickdraft_none"])]
+            _f(r["quickdraft_over_peer"], 2, "x"), _pct(r["fraction_identical_to_quickdraft_none"]),
+            _f(r.get("identical_prefix_median"), 0)]
 
 
 def peer_rows(peers: dict | None) -> list[list[str]]:
@@ -239,7 +240,10 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     if pr or ps:
         out += ["## Peers", ""]
         if pr:
-            out += [md_table(PEER_HEADERS, pr), ""]
+            out += [md_table(PEER_HEADERS, pr), "",
+                    "draft acc.: the peer's drafted tokens accepted, where it counts them (llama-server). same as qd "
+                    "none: the requests whose output equals quickdraft's plain decoding token for token; same "
+                    "prefix: the tokens each output shares with it from the start (median).", ""]
         lr = llama_rows(result)
         if lr:
             out += ["### llama.cpp plain and at its best", "",

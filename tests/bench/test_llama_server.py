@@ -206,6 +206,32 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
 
 # -- llama.cpp plain and best in the report ------------------------------------------------------
 
+def test_summary_sets_each_mode_beside_its_quickdraft_twin():
+    methods = [{"name": "llama_server plain", "peer": "llama_server", "method": "plain"},
+               {"name": "llama_server draft K=4", "peer": "llama_server", "method": "draft"},
+               {"name": "llama_server ngram_mod K=4", "peer": "llama_server", "method": "ngram_mod"}]
+    q = "d/1#1"
+    run = {"request": q, "peer": "llama_server", "ttft_s": 0.1}
+    runs = [{**run, "name": methods[0]["name"], "method": "plain", "tokens_per_second": 10.0, "token_ids": [1, 2, 3]},
+            {**run, "name": methods[1]["name"], "method": "draft", "tokens_per_second": 15.0, "token_ids": [1, 2, 9],
+             "num_draft_tokens": 4, "num_accepted_tokens": 2},
+            {**run, "name": methods[2]["name"], "method": "ngram_mod", "tokens_per_second": 11.0,
+             "token_ids": [1, 2, 3], "num_draft_tokens": 0, "num_accepted_tokens": 0}]
+    qd = [{"variant": v, "request": q, "repeat": 0, "tokens_per_second": tps, "token_ids": [1, 2, 3]}
+          for v, tps in (("none", 12.0), ("draft_model K=4", 20.0), ("ngram K=4 n=2..4", 13.0))]
+    variants = {"none": {"method": "none", "k": 0}, "draft_model K=4": {"method": "draft_model", "k": 4},
+                "ngram K=4 n=2..4": {"method": "ngram", "k": 4}}
+    rows = {r["name"]: r for r in peers.summarize(methods, runs, [{"id": q, "dataset": "d", "category": "c"}], qd, 4,
+                                                  variants)}
+    plain, draft, mod = (rows[m["name"]] for m in methods)
+    assert plain["quickdraft_variant"] == "none" and plain["identical_prefix_median"] == 3
+    assert plain["fraction_identical_to_quickdraft_none"] == 1.0 and plain["draft_acceptance_rate"] is None
+    assert draft["quickdraft_variant"] == "draft_model K=4" and draft["quickdraft_over_peer"] == pytest.approx(20 / 15)
+    assert draft["speedup_over_own_plain"] == pytest.approx(1.5) and draft["draft_acceptance_rate"] == 0.5
+    assert draft["identical_prefix_median"] == 2 and draft["fraction_identical_to_quickdraft_none"] == 0.0
+    assert mod["quickdraft_variant"] == "ngram K=4 n=2..4" and mod["draft_acceptance_rate"] is None
+
+
 def _peer_row(name, peer, method, dataset, tps):
     return {"name": name, "peer": peer, "method": method, "dataset": dataset, "n": 2,
             "tokens_per_second_median": tps, "ttft_median_s": 0.1, "speedup_over_own_plain": 1.0,
