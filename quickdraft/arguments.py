@@ -98,13 +98,15 @@ def add_model_positional(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it")
 
 
-def add_model_args(p: argparse.ArgumentParser, positional: bool = True, shorthands: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, positional: bool = True, shorthands: bool = True,
+                   max_model_len: str | None = None) -> None:
     """The model and speculative flags shared by generate, serve, profile, check and bench;
     ``positional``: the model may also come first, as ``vllm serve MODEL`` takes it
     (``resolve_model_args``; generate reads its own words).
     ``--draft-model`` and ``--num-speculative-tokens`` are shorthands for the speculative config's
     ``model`` and ``num_speculative_tokens`` (``speculative_config``); a command that sweeps them
-    (bench) passes ``shorthands=False`` and names its own."""
+    (bench) passes ``shorthands=False`` and names its own. ``max_model_len``: the command's own
+    default for --max-model-len, in words, where it is not serve's."""
     if positional:
         add_model_positional(p)
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -126,8 +128,11 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True, shorthan
                         "--dtype being the activations'; none: dequantize them to --dtype; auto (default): gguf "
                         "where quickdraft's CPU kernels run (see `quickdraft check`), else none")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="tokens a sequence may hold, prompt and output (default: the model's context length, at most "
-                        "4096: the KV cache is allocated for it up front)")
+                   help="tokens a sequence may hold, prompt and output (default: the model's context length, less "
+                        "where the KV cache of --max-num-seqs sequences, allocated up front, would not fit in the "
+                        "memory free after the weights; one line says which). More than the model's context, or "
+                        "than the memory holds, is an error" if max_model_len is None else
+                        f"tokens a sequence may hold, prompt and output (default: {max_model_len})")
     add_switch(p, "--enforce-eager",
                help="on a CUDA device, run every pass eagerly: no CUDA graphs for the decoding passes "
                     "(they take a little memory and a capture on each new shape; default: off)")

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from quickdraft.errors import ConfigError
 from quickdraft.models.config import ModelConfig
+
+# Of the memory free once the weights are loaded, the KV cache may take all but this share (and at
+# least HEADROOM_MIN_BYTES): the passes' activations, a draft model and its own cache, the server.
+HEADROOM = 0.2
+HEADROOM_MIN_BYTES = 512 * 2**20
+LENGTH_STEP = 256  # a length chosen by memory is a multiple of this
 
 
 class KVCache:
@@ -66,3 +73,54 @@ class KVCache:
         for cache in (*self.keys, *self.values):
             cache[slot, :, start : start + len(nodes)] = cache[slot, :, src]  # the gather copies first
 
+
+
+def free_memory(device="cpu") -> int | None:
+    """Bytes the KV cache could take on ``device`` now: /proc/meminfo's MemAvailable on the CPU
+    (the loaded weights are already out of it), the CUDA driver's free memory on a GPU; None where
+    neither says."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def fit_max_model_len(config: ModelConfig, requested: int | None, num_slots: int, dtype: torch.dtype,
+                      device="cpu", free: int | None = None) -> tuple[int, str]:
+    """The tokens a sequence may hold, and one line saying why: ``requested`` (--max-model-len) where
+    the model and the memory allow it, else an error naming what it exceeds; None: the model's own
+    context length (its max_position_embeddings), less where the cache of ``num_slots`` sequences
+    would not fit in ``free`` bytes (``free_memory()`` after the weights are loaded) less the headroom."""
+    context = config.max_position_embeddings
+    slots = num_slots + int(torch.device(device).type == "cuda")  # the CUDA graphs' spare slot
+    per_position = KVCache.bytes_per_token(config, dtype) * slots  # one position of every slot
+    budget = None if free is None else max(0, free - max(HEADROOM_MIN_BYTES, int(free * HEADROOM)))
+    fits = None if budget is None else budget // per_position
+    if requested is not None:
+        if requested > context:
+            raise ConfigError(f"max_model_len {requested} is more than {config.name or 'the model'}'s context "
+                              f"length, {context}", "max_model_len")
+        if fits is not None and requested > fits:
+            raise ConfigError(f"max_model_len {requested} needs {_size(requested * per_position)} of KV cache for "
+                              f"{num_slots} sequences, and {_size(budget)} is free for it after the weights: "
+                              f"lower max_model_len (at most {fits}) or max_num_seqs", "max_model_len")
+        return requested, f"max model len {requested} (as given; the model allows {context})"
+    if fits is None or fits >= context:
+        return context, f"max model len {context} (the model's context)"
+    length = fits // LENGTH_STEP * LENGTH_STEP if fits >= LENGTH_STEP else fits
+    if length < 2:
+        raise ConfigError(f"no room for a KV cache: {_size(budget)} free after the weights, and a position of "
+                          f"{num_slots} sequences takes {per_position} bytes; lower max_num_seqs", "max_model_len")
+    return length, (f"max model len {length} (KV memory: {_size(budget)} free for {num_slots} sequences; "
+                    f"the model allows {context})")

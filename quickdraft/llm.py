@@ -9,12 +9,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.sequence import RequestOutput
 from quickdraft.engine.threads import set_threads
-from quickdraft.models.loader import LoadedModel
+from quickdraft.kv_cache import fit_max_model_len, free_memory
+from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
+
+
+def build_engine(config: EngineConfig, target: LoadedModel | None = None) -> tuple[Engine, str]:
+    """The engine for ``config`` (its target loaded here where not given), and one line saying the
+    max model len it runs at and why: ``config.max_model_len`` where the model's context and the
+    memory left after the weights hold it (else an error), None: the most of the model's context that
+    the KV cache of ``max_num_seqs`` sequences fits in (kv_cache.py's ``fit_max_model_len``)."""
+    if target is None:
+        target = load_model(config.model, dtype=config.torch_dtype, device=config.device,
+                            quantization=config.quantization)
+    length, why = fit_max_model_len(target.config, config.max_model_len, config.max_num_seqs, config.torch_dtype,
+                                    config.device, free_memory(config.device))
+    return Engine(dataclasses.replace(config, max_model_len=length), target=target), why
 
 
 class LLM:
@@ -23,7 +39,9 @@ class LLM:
                  max_num_seqs: int = 8, quantization: str | None = "auto", enable_prefix_caching: bool = True,
                  threads: int | None = None, enforce_eager: bool = False):
         """``threads``: CPU threads for torch and the kernels, process-wide (default: torch's, one per
-        physical core this process may run on; see engine/threads.py)."""
+        physical core this process may run on; see engine/threads.py). ``max_model_len``: None, the
+        model's context length where the KV cache of ``max_num_seqs`` sequences fits in the memory
+        left after the weights, else the most that does (``max_model_len_reason`` says which)."""
         if threads is not None:
             set_threads(threads)
         name = model if isinstance(model, str) else model.source
@@ -32,7 +50,7 @@ class LLM:
             max_queue=1 << 30, speculative=SpeculativeConfig.parse(speculative_config), quantization=quantization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
         )
-        self.engine = Engine(config, target=None if isinstance(model, str) else model)
+        self.engine, self.max_model_len_reason = build_engine(config, None if isinstance(model, str) else model)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark speculative methods against plain decoding, and peers",
                               usage="quickdraft bench [MODEL] [options]\n       quickdraft bench [MODEL] accuracy [options]",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p, positional=False, shorthands=False)  # a sub-command (accuracy) comes first; its own --draft-model and --num-speculative-tokens-list
+    add_model_args(p, positional=False, shorthands=False, max_model_len="2048")  # a sub-command (accuracy) comes first; its own --draft-model and --num-speculative-tokens-list
     p.set_defaults(model=None, func=run)
     p.add_argument("--suite", choices=sorted(SUITES),
                    help="a preset: quick (2 prompts of each set, 64 tokens, K=4) or standard (K=2..8, both peers)")

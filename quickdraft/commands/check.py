@@ -56,7 +56,7 @@ def register(sub) -> None:
     from quickdraft.arguments import add_flag, add_switch, add_model_args
 
     p = sub.add_parser("check", help="check on this machine that speculative output equals plain decoding")
-    add_model_args(p)
+    add_model_args(p, max_model_len="the longest prompt and output the check runs")
     p.add_argument("--prompts", help='a JSONL file: one object a line with "prompt" or "messages" (default: built-in)')
     p.add_argument("--num-prompts", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per greedy generation")

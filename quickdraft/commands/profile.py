@@ -33,7 +33,7 @@ def register(sub) -> None:
     from quickdraft.arguments import add_flag, add_model_args, add_switch
 
     p = sub.add_parser("profile", help="time this machine and say where speculation pays (K by batch and acceptance)")
-    add_model_args(p)
+    add_model_args(p, max_model_len="512")
     add_flag(p, "--batch-size", default=",".join(map(str, BATCHES)), deprecated=("--batch-sizes",),
              help="running sequences to predict for, comma-separated")
     p.add_argument("--acceptance-rates", default=",".join(map(str, ALPHAS)), help="comma-separated, in (0, 1)")

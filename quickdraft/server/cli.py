@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import sys
 
 import uvicorn
 
@@ -117,8 +118,8 @@ def build_engine(args, own_thread: bool):
     engine loop runs in a thread of its own (a Ray Serve replica, a Triton model) rather than on
     the caller's (``quickdraft serve``, see async_engine.py). Returns (AsyncEngine, ServerSettings)."""
     from quickdraft.config import EngineConfig
-    from quickdraft.engine.engine import Engine
     from quickdraft.errors import ConfigError
+    from quickdraft.llm import build_engine
     from quickdraft.server.app import ServerSettings
     from quickdraft.server.async_engine import AsyncEngine
     from quickdraft.server.metrics import ServerMetrics
@@ -135,7 +136,8 @@ def build_engine(args, own_thread: bool):
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, speculative=spec,
                           quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching,
                           enforce_eager=args.enforce_eager)
-    engine = Engine(config)
+    engine, why = build_engine(config)
+    print(f"quickdraft: {why}", file=sys.stderr)
     names = args.served_model_name or [args.model]
     k = spec.num_speculative_tokens if spec.enabled else 0
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY"),
