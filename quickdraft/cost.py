@@ -294,7 +294,7 @@ _CALIBRATED: dict[tuple, tuple[weakref.ref, list[tuple]]] = {}
 
 def _disk_key(decoder, shapes) -> str:
     from quickdraft.version import __version__
-    from quickdraft.models.kernels import cpu_model, source_hash
+    from quickdraft.kernels import cpu_model, source_hash
 
     c = decoder.config
     parts = {
@@ -594,6 +594,13 @@ class SpeculationSwitch:
         (a step that reads prompts)."""
         m = self._mode(batch)
         return m.on != (m.probe_left > 0)
+
+    def pays(self, batch: int) -> bool:
+        """Speculating at ``batch`` has been measured, and not found slower than decoding plainly."""
+        m = self._batches.get(batch)
+        if m is None or not m.on or m.rate(True) is None:
+            return False
+        return m.rate(False) is None or m.rate(True) >= m.rate(False)
 
     def speculate(self, batch: int, plain_estimate: float | None = None) -> bool:
         """Whether this decoding step of ``batch`` sequences speculates (the step is then

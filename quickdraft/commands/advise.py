@@ -10,7 +10,8 @@ the drafter fits. ``advise`` does each step with measured inputs:
 2. each available drafter (``ngram``, ``suffix``, the draft models named with ``--draft-model``)
    with the engine's adaptive planner choosing K up to ``--max-num-speculative-tokens`` (the planner's
    K): acceptance by position, tokens per target pass, and speedup over the baseline at each batch
-   size (static batches of that many requests, baseline and drafters interleaved);
+   size (static batches of that many requests, baseline and drafters interleaved wave by wave,
+   the speedup the median of the waves' ratios), each engine warmed up past the plan's cold start;
 3. the memory each drafter adds: weights, KV cache, and the scratch of a verification pass;
 4. the verdict: "speculate with X" and a ready ``--speculative-config`` (speculation turned off
    from the first batch size where it measured a loss), or "don't, because Y".
@@ -33,6 +34,11 @@ from quickdraft.stats import median
 BATCH_SIZES = (1, 4, 8)
 MIN_SPEEDUP = 1.10  # below this at batch 1 the gain is within this machine's noise: not worth a rollout
 SHORT_ANSWER = 32  # median output tokens under which the prompt pass dominates a request
+# the warm-up each engine runs before it is measured: text of its own (a code task and a chat
+# question), long enough for the adaptive plan to leave its cold start
+WARMUP_PROMPTS = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                  "Question: name the four seasons and say what each is like.\nAnswer:")
+WARMUP_TOKENS = 48
 SUFFIX_BYTES_PER_TOKEN_LEVEL = 55  # config.py: the suffix trie's worst case, a token a level of depth
 
 
@@ -56,6 +62,7 @@ class Run:
     tpot_s: list[float]
     lengths: list[int] = field(default_factory=list)  # [requests] output tokens
     stats: SpecStats = field(default_factory=SpecStats)
+    wave_rates: list[float] = field(default_factory=list)  # [waves] each wave's tokens per second
 
     @property
     def tokens_per_second(self) -> float:
@@ -69,6 +76,14 @@ class Run:
                 "ttft_p50_s": median(self.ttft_s) if self.ttft_s else None,
                 "tpot_p50_s": median(self.tpot_s) if self.tpot_s else None,
                 "mean_draft_length": s.num_draft_tokens / drafts if drafts else 0.0, **s.to_dict()}
+
+
+def speedup(run: "Run", base: "Run") -> float:
+    """The median over waves of a variant's tokens per second over the baseline's on the same wave:
+    each wave ran beside its baseline, so a load that came and went falls out of each ratio, and the
+    median leaves out a wave that a burst of other work hit."""
+    ratios = [r / b for r, b in zip(run.wave_rates, base.wave_rates) if b > 0]
+    return median(ratios) if ratios else run.tokens_per_second / max(base.tokens_per_second, 1e-9)
 
 
 def drafters(methods: list[str], draft_models: list[str], k: int) -> list[Drafter]:
@@ -97,7 +112,9 @@ def run_wave(engine, wave: list[list[int]], params, run: "Run") -> None:
     """One static batch of requests to its end, added to ``run``."""
     started = time.perf_counter()
     outs = engine.generate_ids(wave, [params] * len(wave))
-    run.seconds += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    run.seconds += seconds
+    run.wave_rates.append(sum(len(o.token_ids) for o in outs) / seconds if seconds > 0 else 0.0)
     for o in outs:
         run.requests += 1
         run.tokens += len(o.token_ids)
@@ -228,11 +245,15 @@ def measure(model, prompts: list[list[int]], variants: list[Drafter], batches, p
         # stays off: the prompts are cycled into waves, and a repeat must cost what the first did.
         out = {v.name: LLM(model, speculative_config=v.spec, dtype=dtype, device=device, max_model_len=max_model_len,
                            max_num_seqs=max(batches), enable_prefix_caching=False).engine for v in variants}
-        for engine in out.values():  # kernels, allocator, the draft's first passes
-            engine.generate_ids([warmup], [SamplingParams(max_tokens=8, temperature=0)])
+        # kernels, allocator, and the adaptive plan's cold start: the refit of both cost models and
+        # the acceptance seen, on text that is not the user's (advise measures each drafter as a
+        # server that has run a while serves it)
+        for engine in out.values():
+            engine.generate_ids(warmup, [SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True)]
+                                * len(warmup))
         return out
 
-    warmup = model.tokenizer.encode("Warm up: name the four seasons.")
+    warmup = [model.tokenizer.encode(text) for text in WARMUP_PROMPTS]
     total = len(variants) * sum(len(waves(prompts, b)) for b in batches)
     bar = tqdm(total=total, desc="advise", unit="batch", disable=not progress, dynamic_ncols=True)
     runs: dict[str, list[Run]] = {v.name: [] for v in variants}
@@ -267,7 +288,7 @@ def measure(model, prompts: list[list[int]], variants: list[Drafter], batches, p
         mine = runs[v.name]
         result["drafters"].append({
             "name": v.name, "spec": v.spec, "runs": [r.to_dict() for r in mine],
-            "speedup": {str(r.batch): r.tokens_per_second / b.tokens_per_second for r, b in zip(mine, base)},
+            "speedup": {str(r.batch): speedup(r, b) for r, b in zip(mine, base)},
             "memory": {str(b): memory(built[v.name], context, b, k) for b in batches},
             "peak_rss_mib": peak[v.name] / 2**20,
         })
@@ -324,7 +345,7 @@ def advise(args) -> int:
     from quickdraft import SamplingParams
     from quickdraft.commands.advise_report import write
     from quickdraft import datasets
-    from quickdraft.models.kernels import cpu_model
+    from quickdraft.kernels import cpu_model
     from quickdraft.models.loader import load_model
 
     started = time.time()

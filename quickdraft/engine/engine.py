@@ -34,6 +34,7 @@ from quickdraft.structured import GrammarCompiler
 
 DEFAULT_MAX_MODEL_LEN = 4096
 PROBE_ACCEPTANCE = 0.8  # the acceptance rate a probe is planned with (adaptive K)
+PROBE_CATCHUP = 16  # the most tokens a draft may have to read first for a sequence a probe forces
 MAX_FORCED_DRAFT = 16  # a grammar's forced tokens proposed in one step (structured.py)
 
 
@@ -163,13 +164,15 @@ class Engine:
         does, as vLLM's draft model does: the draft's prompt pass then counts in the time to first
         token, like the target's, instead of delaying the second token by a prefill of the draft
         (the 0.5B draft took 1.1 s to read 126 tokens on a 2-core AMD EPYC Zen 1). Not where the
-        request takes no drafts, the batch has turned speculation off, or speculating was measured
-        to lose at this batch size (SpeculationSwitch); a prompt read in vain
+        request takes no drafts, the batch has turned speculation off, or speculating was not yet
+        measured to pay at this batch size of several (SpeculationSwitch); a prompt read in vain
         (the plan then drafts nothing for it) costs a draft prefill, which the draft would
         otherwise read at its first draft."""
         read = getattr(self.proposer, "read_prompt", None)
         if read is None or not self._switched_on(seqs):
             return
+        if self.switch is not None and len(seqs) > 1 and not self.switch.pays(len(seqs)):
+            return  # a batch not yet measured paying: the plan decides, pricing the read as catch-up
         prompts = [s for s in seqs if s.num_pending > 1 and self.draft_cap(s.params) > 0]
         if not prompts:
             return
@@ -231,10 +234,15 @@ class Engine:
         # timed on a busy machine can price drafts out for good: a draft never run is never timed
         # again. So until the refit has timed enough draft passes and verification passes, a due
         # probe drafts its whole cap whatever the plan says; after that the plan decides.
+        # A probe is for timing drafts, so only a sequence whose draft is up to date is forced: one
+        # the draft must first read at length (a prompt it did not read, or what it missed while its
+        # batch decoded plainly) is left to the plan, which prices that catch-up (on the Qwen pair,
+        # forced catch-ups of eight 250-token sequences took ~2 s of a 10 s run at four clients).
         target, draft = self.runner.target_cost, self.proposer.cost
         untried = (target is not None and target.observed(min_rows=2) < TRUSTED_PASSES) or (
             draft is not None and draft.observed() < TRUSTED_PASSES)
-        return [cap if d and untried and k == 0 else k for k, d, cap in zip(ks, due, caps)]
+        return [cap if d and untried and k == 0 and rows <= PROBE_CATCHUP else k
+                for k, d, cap, rows in zip(ks, due, caps, catchup)]
 
     def _forced_room(self, seqs: list[Sequence]) -> list[int]:
         """The most forced grammar tokens each sequence may draft this step (structured.py): free

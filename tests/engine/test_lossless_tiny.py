@@ -115,16 +115,19 @@ def test_good_drafts_are_verified_in_full_while_rows_are_cheap(plain):
     outs, stats = run(spec, PROMPTS, params, costs=(FrozenCost(), FrozenCost(0.01)))
     assert [o.token_ids for o in outs] == plain
     _, fixed = run({**spec, "adaptive": False}, PROMPTS, params)
-    # all but the first drafts, planned from the 0.5 prior before any was seen, are full length
+    # all but the first drafts, planned before any was seen, are full length
     assert stats.num_draft_tokens >= 0.9 * fixed.num_draft_tokens and stats.acceptance_rate == 1.0
 
 
 def test_dear_rows_turn_speculation_off(plain):
-    """When a verified row costs half a pass and a draft pass as much as the target's, no draft pays."""
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    """When a verified row costs half a pass and a draft pass as much as the target's, no draft pays.
+    (Prompts of several tokens: a one-token prompt decodes in its first step, beside the others'
+    prompt rows, and a draft there may pay for itself within that dear step.)"""
+    prompts = PROMPTS[:2]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(prompts)
     spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3, "adaptive": True}
-    outs, stats = run(spec, PROMPTS, params, costs=(FrozenCost(0.1, 0.05), FrozenCost(0.1, 0.05)))
-    assert [o.token_ids for o in outs] == plain
+    outs, stats = run(spec, prompts, params, costs=(FrozenCost(0.1, 0.05), FrozenCost(0.1, 0.05)))
+    assert [o.token_ids for o in outs] == plain[:2]
     assert stats.num_draft_tokens == 0
 
 
@@ -241,3 +244,40 @@ def test_penalties_and_bias_under_speculation_equal_plain(kind):
     spec = {"method": "draft_model", "model": DRAFTS[kind], "num_speculative_tokens": 3}
     outs, stats = run(spec, PROMPTS, params)
     assert [o.token_ids for o in outs] == base and stats.num_draft_tokens > 0
+
+
+def test_a_batch_size_the_switch_turned_off_decodes_plainly_and_reads_no_prompts(plain):
+    """Where the speculation switch (cost.py) has measured speculating losing at a batch size,
+    steps of that size draft nothing and the draft reads no prompt; steps of a smaller batch still
+    draft, and the output is the plain output either way."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3, "adaptive": True}
+    config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=4, speculative=SpeculativeConfig.parse(spec))
+    engine = Engine(config, target=TARGET)
+    engine.runner.target_cost, engine.proposer.cost = FrozenCost(), FrozenCost(0.01)
+    switch = engine.switch
+    for _ in range(40):  # batches of 2 and more measured slower speculating than decoding plainly
+        for batch in (2, 3):
+            on = switch.speculate(batch, 100.0)
+            switch.record(batch, on, batch * (1 if on else 2), 1.0)
+    assert not switch.preferred(2) and not switch.preferred(3) and switch.preferred(1)
+    switch.speculate = lambda batch, estimate: switch.preferred(batch)  # no probes during the test
+    reads, drafted = [], []
+    read, step = engine.proposer.read_prompt, engine.runner.step
+    engine.proposer.read_prompt = lambda seqs: (reads.append(len(seqs)), read(seqs))[1]
+    engine.runner.step = lambda seqs, ks, forced=None: (drafted.append((len(seqs), sum(ks))), step(seqs, ks, forced))[1]
+    outs = engine.generate_ids(PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    assert reads == [] and all(k == 0 for n, k in drafted if n > 1)
+    # a new prompt alone is read, and drafts
+    engine.generate_ids([[11, 12, 13, 14, 15, 16]], params[:1])
+    assert reads and any(k > 0 for n, k in drafted if n == 1)
+
+
+def test_free_drafters_have_no_switch():
+    """n-gram and suffix drafts cost only the rows they add, which the target's refitted model
+    prices: no switch second-guesses them."""
+    for method in ("ngram", "suffix"):
+        config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=2,
+                              speculative=SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3}))
+        assert Engine(config, target=TARGET).switch is None
