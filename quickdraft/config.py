@@ -47,7 +47,7 @@ class SpeculativeConfig:
     # HumanEval + 4 MT-Bench, one run): 1.21x off, 1.15x at 0.3, 1.24x at 0.5, 1.23x at 0.7.
     draft_confidence_threshold: float = 0.5
     # layer_skip: the layers (whole: attention and MLP) the target skips to draft for itself,
-    # fixed. None: the skip set is searched on the fly (proposers/layer_skip.py)
+    # fixed. None: the skip set is searched on the fly (proposers/draft/layer_skip.py)
     skip_layers: tuple[int, ...] | None = None
     # draft_model: "int8" runs the draft with int8 weights and activations (models/quant.py), half
     # the bytes a draft step reads; the output stays exactly the target's. None: the engine dtype.
@@ -58,7 +58,7 @@ class SpeculativeConfig:
     # "q4_0": every matrix of the draft stored in more than 4.5 bits a weight (a GGUF draft's Q5_0,
     # Q6_K, Q8_0, or a dense draft's) quantized again to GGUF Q4_0 blocks, once, and cached: fewer
     # bytes a draft step reads, on the CPU's block kernels (docs/features/4bit-drafts.md).
-    # eagle3, medusa: the head's matrices are served from GGUF blocks (proposers/heads.py): "auto"
+    # eagle3, medusa: the head's matrices are served from GGUF blocks (proposers/heads/common.py): "auto"
     # and "int8" Q8_0 where the CPU's block kernels run (auto: else float32, as trained), "q4_0"
     # Q4_0; None: float32.
     quantization: str | None = "auto"
@@ -68,7 +68,7 @@ class SpeculativeConfig:
     draft_device: str | None = None
     # draft_model, layer_skip: the draft's output head scores only this many tokens, the most frequent in a
     # local corpus (the standard library's sources, never a benchmark's prompts; counted once per
-    # machine and tokenizer, proposers/draft_vocab.py). Its q is zero elsewhere, which the
+    # machine and tokenizer, proposers/draft/vocab.py). Its q is zero elsewhere, which the
     # verifier's rule makes exact: only the speed changes. None: the whole vocabulary; a size at
     # least the vocabulary's (SmolLM2's 49152 at the default) is no truncation.
     draft_vocab_size: int | None = DEFAULT_DRAFT_VOCAB_SIZE
@@ -77,12 +77,12 @@ class SpeculativeConfig:
     draft_vocab_file: str | None = None
     # draft_model: the draft may have another tokenizer (transformers' "universal assisted
     # generation"): it reads its own tokenization of the target's text, and its greedy tokens are
-    # decoded to text and re-encoded with the target's tokenizer (proposers/draft_text.py). They
+    # decoded to text and re-encoded with the target's tokenizer (proposers/draft/text.py). They
     # are verified as point masses, so the output stays exactly the target's; a draft with the
     # target's vocabulary is accepted too (it then drafts through text as well). False: the draft
     # must share the target's vocabulary, which it is refused without.
     cross_tokenizer: bool = False
-    # suffix (proposers/suffix.py; the first four are vLLM's keys, with its defaults): the suffix
+    # suffix (proposers/lookup/suffix.py; the first four are vLLM's keys, with its defaults): the suffix
     # tries hold every window of this many tokens; a match is at most depth - K tokens long
     suffix_decoding_max_tree_depth: int = 24
     # suffix: a match of m tokens drafts at most max_spec_factor * m tokens (and at most K)

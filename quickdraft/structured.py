@@ -199,7 +199,7 @@ class GrammarMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` ``advance``s: a draft model walks the grammar along its own
-        draft tokens (proposers/draft_model.py) and steps back before verification."""
+        draft tokens (proposers/draft/model.py) and steps back before verification."""
         if num_tokens:
             self._m.rollback(num_tokens)
 

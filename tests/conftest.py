@@ -156,7 +156,7 @@ def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def trace_draft_passes(monkeypatch: pytest.MonkeyPatch):
     """trace(module) -> a list that gets, for every later ``draft_pass`` of ``module`` (a proposer's,
-    proposers/draft_load.py), the number of tokens each sequence fed it; a greedy chain run in one
+    proposers/draft/load.py), the number of tokens each sequence fed it; a greedy chain run in one
     native call (models/decoder/native.py's ``chains``) adds its first pass's (its later passes
     read one token each)."""
     from quickdraft.models.decoder import NativeLayers

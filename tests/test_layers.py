@@ -79,7 +79,7 @@ def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 def test_no_import_circle():
     """Not even through a lazy import inside a function: the draft proposers share their loading
-    and sampling through proposers/draft_load.py and draft_sampling.py, below both."""
+    and sampling through proposers/draft/load.py and proposers/draft_sampling.py, below both."""
     circles = _circles(_graph())
     assert not circles, f"import circles: {[sorted(c) for c in circles]}"
 
@@ -127,11 +127,11 @@ def test_a_server_replica_imports_only_the_serve_arguments():
 
 
 def test_the_proposer_registry_imports_only_the_method_asked_for():
-    proposers = {"quickdraft.proposers." + m for m in ("none", "ngram", "suffix", "draft_model", "eagle3", "medusa",
-                                                       "layer_skip")}
+    proposers = {"quickdraft.proposers." + m for m in ("none", "lookup.ngram", "lookup.suffix", "draft.model",
+                                                       "heads.eagle3", "heads.medusa", "draft.layer_skip")}
     assert not _loaded_after("import quickdraft.proposers.base") & proposers
     loaded = _loaded_after("from quickdraft.proposers.base import proposer_class\nproposer_class('ngram')")
-    assert loaded & proposers == {"quickdraft.proposers.ngram"}
+    assert loaded & proposers == {"quickdraft.proposers.lookup.ngram"}
 
 
 def test_the_registry_table_names_every_method_and_class():

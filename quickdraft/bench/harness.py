@@ -32,7 +32,7 @@ from quickdraft.measure import RssSampler, measure_bandwidth, summarize, top2_ma
 from quickdraft.models.config import activation_dtype
 from quickdraft.models.decoder import nbytes
 from quickdraft.models.loader import LoadedModel, load_model
-from quickdraft.proposers.heads import head_bytes
+from quickdraft.proposers.heads.common import head_bytes
 from quickdraft.sampling import SamplingParams
 
 MIB = 1 << 20

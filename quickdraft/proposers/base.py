@@ -139,6 +139,29 @@ class Proposer(Protocol):
     # each verification, before ``observe``, with each sequence's committed rows (runner._hand_states).
 
 
+class BaseProposer:
+    """The protocol's no-op defaults, for a proposer that keeps no state between steps (none,
+    ngram): drafts cost nothing to plan with, it learns nothing from the verifier, reads no rows to
+    catch up, holds no KV (so a reused prefix is reused whole), and has nothing to drop or write."""
+
+    cost: "LinearCost | None" = None
+
+    def observe(self, seqs, outcome) -> None:
+        pass
+
+    def catchup_rows(self, seq) -> int:
+        return 0
+
+    def reuse(self, seq, source, num_tokens) -> int:
+        return num_tokens  # no KV: its state is read from the sequence's tokens
+
+    def release(self, seq) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def most_valuable(values: list[float], n: int) -> list[int]:
     """The indices of the ``n`` largest ``values``, ties to the earlier index, in index order: of a
     tree whose nodes come after their parents and are worth no more than them, a tree again."""
@@ -155,12 +178,12 @@ def accepts_trees(params) -> bool:
 # a method's module is imported only when an engine asks for it
 REGISTRY: dict[str, tuple[str, str]] = {
     "none": ("quickdraft.proposers.none", "NoProposer"),
-    "ngram": ("quickdraft.proposers.ngram", "NgramProposer"),
-    "suffix": ("quickdraft.proposers.suffix", "SuffixProposer"),
-    "draft_model": ("quickdraft.proposers.draft_model", "DraftModelProposer"),
-    "eagle3": ("quickdraft.proposers.eagle3", "Eagle3Proposer"),
-    "medusa": ("quickdraft.proposers.medusa", "MedusaProposer"),
-    "layer_skip": ("quickdraft.proposers.layer_skip", "LayerSkipProposer"),
+    "ngram": ("quickdraft.proposers.lookup.ngram", "NgramProposer"),
+    "suffix": ("quickdraft.proposers.lookup.suffix", "SuffixProposer"),
+    "draft_model": ("quickdraft.proposers.draft.model", "DraftModelProposer"),
+    "eagle3": ("quickdraft.proposers.heads.eagle3", "Eagle3Proposer"),
+    "medusa": ("quickdraft.proposers.heads.medusa", "MedusaProposer"),
+    "layer_skip": ("quickdraft.proposers.draft.layer_skip", "LayerSkipProposer"),
 }
 
 

@@ -1,5 +1,5 @@
 """A draft head's logits made draft tokens, shared by the proposers that draft from a head
-(draft_model.py, draft_text.py, layer_skip.py, heads.py): a draw under the request's sampling, the
+(draft/model.py, draft/text.py, draft/layer_skip.py, heads/common.py): a draw under the request's sampling, the
 confidence cutoff, and a truncated head's rows mapped back to the full vocabulary.
 """
 

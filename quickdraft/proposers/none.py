@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from quickdraft.proposers.base import DraftProposal, register
+from quickdraft.proposers.base import BaseProposer, DraftProposal, register
 
 
 @register("none")
-class NoProposer:
+class NoProposer(BaseProposer):
     cost = None  # it makes no drafts
 
     @classmethod
@@ -16,18 +16,3 @@ class NoProposer:
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
         return DraftProposal.empty(len(seqs))
-
-    def observe(self, seqs, outcome) -> None:
-        pass
-
-    def catchup_rows(self, seq) -> int:
-        return 0
-
-    def reuse(self, seq, source, num_tokens) -> int:
-        return num_tokens  # no KV: its state is read from the sequence's tokens
-
-    def release(self, seq) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

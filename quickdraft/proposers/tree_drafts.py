@@ -1,5 +1,5 @@
-"""Token trees a proposer grows from its own probabilities (the draft model's, proposers/draft_model.py;
-Medusa's heads, proposers/medusa.py), EAGLE-2's way: a node's value is the calibrated confidence in
+"""Token trees a proposer grows from its own probabilities (the draft model's, proposers/draft/model.py;
+Medusa's heads, proposers/heads/medusa.py), EAGLE-2's way: a node's value is the calibrated confidence in
 its whole path, the most valuable nodes of a level are expanded, and the most valuable nodes overall
 are proposed (a node's value never exceeds its parent's, so they form a tree). The runner may trim
 them further to the rows that pay (quickdraft/cost.py, plan_tree_sizes).

@@ -102,7 +102,7 @@ def _load(args):
 
 
 def _data_dir(args, model) -> Path:
-    from quickdraft.proposers.heads import default_dir
+    from quickdraft.proposers.heads.common import default_dir
 
     return Path(args.data).expanduser() if args.data else default_dir(model, "data")
 
@@ -121,7 +121,7 @@ def _data(args) -> int:
 
 def _generate(args) -> int:
     from quickdraft.llm import LLM
-    from quickdraft.proposers.heads import default_dir
+    from quickdraft.proposers.heads.common import default_dir
     from quickdraft.train import generate
 
     llm = LLM(args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch_size)
@@ -139,7 +139,7 @@ def _generate(args) -> int:
 
 
 def _train(args) -> int:
-    from quickdraft.proposers.heads import default_dir
+    from quickdraft.proposers.heads.common import default_dir
     from quickdraft.train import data
 
     model = _load(args)
@@ -175,10 +175,10 @@ def _draft(args) -> int:
     import torch
 
     from quickdraft.models.loader import load_model
-    from quickdraft.proposers.heads import default_dir
+    from quickdraft.proposers.heads.common import default_dir
     from quickdraft.train import data, draft
 
-    from quickdraft.proposers.draft_load import check_same_vocabulary
+    from quickdraft.proposers.draft.load import check_same_vocabulary
 
     model = _load(args)
     stock = load_model(args.draft_model, torch.float32, quantization="none")  # dense weights to train

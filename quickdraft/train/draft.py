@@ -179,7 +179,7 @@ def train(target, draft, windows, out_dir: str | Path, steps: int = 500, batch_s
     ``lora_rank`` > 0 trains LoRA adapters (alpha default 2 x rank) on ``lora_targets`` instead of
     every weight, and merges them into the weights before saving: the saved draft has the stock
     draft's shape and runs through the engine's decoder at full speed, with no adapter math."""
-    from quickdraft.proposers.draft_load import check_same_vocabulary
+    from quickdraft.proposers.draft.load import check_same_vocabulary
 
     check_same_vocabulary(target, draft)
     module = TrainableDraft(draft)

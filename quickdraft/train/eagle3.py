@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.models import eagle3 as head_file
-from quickdraft.proposers.heads import embed_rows
+from quickdraft.proposers.heads.common import embed_rows
 from quickdraft.train.loop import data_vocab, fit, head_rows, soft_cross_entropy
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from quickdraft.proposers.draft_vocab import always_kept, top_ids
+from quickdraft.proposers.draft.vocab import always_kept, top_ids
 from quickdraft.train.data import Window
 
 

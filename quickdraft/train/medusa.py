@@ -13,7 +13,7 @@ import torch
 
 from quickdraft.models import medusa as head_file
 from quickdraft.models.eagle3 import target_key
-from quickdraft.proposers.heads import target_name
+from quickdraft.proposers.heads.common import target_name
 from quickdraft.train.loop import data_vocab, fit, head_rows, soft_cross_entropy
 
 

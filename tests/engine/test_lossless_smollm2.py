@@ -151,7 +151,7 @@ def test_adaptive_plan_changes_only_the_speed(target, plain, spec):
     {"method": "layer_skip", "num_speculative_tokens": 4, "adaptive": False},
 ])
 def test_layer_skip_equals_plain(target, plain, spec):
-    """The target drafts for itself with sublayers skipped, in its own KV cache (proposers/layer_skip.py)."""
+    """The target drafts for itself with sublayers skipped, in its own KV cache (proposers/draft/layer_skip.py)."""
     dtype, model = target
     llm = LLM(model, speculative_config=spec, dtype=dtype)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain

@@ -164,7 +164,7 @@ def counters(o) -> tuple:
     # bit): every draft token is accepted unless the draft's own cache is wrong, so the counters show
     # that the draft's reused keys are right (the output alone could not: it is lossless either way)
     ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False, "quantization": None}, 0.8),
-    # a truncated draft head (the 8192 lowest ids, proposers/draft_vocab.py) reads the same cache
+    # a truncated draft head (the 8192 lowest ids, proposers/draft/vocab.py) reads the same cache
     ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False, "quantization": None,
       "draft_vocab_file": "ids"}, 0.0),
     ({"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}, 0.0),

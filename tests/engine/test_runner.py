@@ -84,7 +84,7 @@ def test_the_draft_reads_the_prompt_in_the_prompts_step(trace_draft_passes):
     """A draft model reads each prompt in the step the target does (engine._draft_reads_prompts),
     so that the first decoding step drafts from one row, not from the whole prompt; a request
     that takes no drafts leaves the draft unread. The output is plain decoding's either way."""
-    import quickdraft.proposers.draft_model as draft_model
+    import quickdraft.proposers.draft.model as draft_model
 
     fed = trace_draft_passes(draft_model)
     engine = _engine({"method": "draft_model", "model": TARGET, "num_speculative_tokens": 3, "adaptive": False,

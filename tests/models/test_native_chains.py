@@ -18,7 +18,7 @@ from test_fused_layer import LAYOUTS, random_block_weight  # this folder is on t
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.kernels import native_decoder
 from quickdraft.models.tiny import random_weights, tiny_config
-from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.draft.model import DraftModelProposer
 from quickdraft.sampling import SamplingParams, make_generator
 
 pytestmark = pytest.mark.skipif(native_decoder() is None, reason="the CPU kernels are not available here")
@@ -197,7 +197,7 @@ def test_filtered_chains(params, truncated):
 def test_an_empty_feed_is_refused_by_both_loops():
     """A sequence with nothing to read has no last row to draft from: the Python pass refuses it
     rather than hand it another sequence's logits, as the native call does."""
-    from quickdraft.proposers.draft_load import draft_pass
+    from quickdraft.proposers.draft.load import draft_pass
 
     draft = draft_model(torch.bfloat16, None)
     proposer = DraftModelProposer(draft, num_slots=2, max_len=32)

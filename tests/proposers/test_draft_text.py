@@ -1,4 +1,4 @@
-"""Drafts with another tokenizer (proposers/retokenize.py, proposers/draft_text.py): the text
+"""Drafts with another tokenizer (proposers/draft/retokenize.py, proposers/draft/text.py): the text
 bridge unit by unit on the real SmolLM2 (draft) and Qwen2.5 (target) tokenizers, then end to end:
 greedy output identical to plain decoding with a draft that agrees (the target itself, through
 text), one that never does and one in between (SmolLM2-135M drafting for the Qwen2.5 0.5B), in a
@@ -15,7 +15,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.errors import ConfigError
 from quickdraft.models.loader import load_model
 from quickdraft.models.tiny import never_agreeing
-from quickdraft.proposers.retokenize import Bridge, common_prefix, complete_len
+from quickdraft.proposers.draft.retokenize import Bridge, common_prefix, complete_len
 
 
 def test_complete_len():
@@ -165,10 +165,10 @@ def test_the_target_as_its_own_draft_through_text(smollm2, plain_smollm2):
 
 @pytest.mark.slow
 def test_the_draft_reads_the_prompt_in_the_prompts_step(smollm2, plain_smollm2, trace_draft_passes):
-    """As proposers/draft_model.py does: the draft reads its tokenization of each prompt in the
+    """As proposers/draft/model.py does: the draft reads its tokenization of each prompt in the
     prompt's step (engine._draft_reads_prompts), so that the first decoding step's draft pass
     reads a few tokens, not the whole prompt again; the output is still plain decoding's."""
-    import quickdraft.proposers.draft_text as draft_text
+    import quickdraft.proposers.draft.text as draft_text
 
     fed = trace_draft_passes(draft_text)
     engine = LLM(smollm2, speculative_config=spec(smollm2), dtype="bfloat16", max_num_seqs=4).engine

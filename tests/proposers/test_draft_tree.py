@@ -1,4 +1,4 @@
-"""Token trees from a draft model (proposers/draft_model.py, ``num_branches`` > 1), on tiny random
+"""Token trees from a draft model (proposers/draft/model.py, ``num_branches`` > 1), on tiny random
 models in float32: the tree's shape, its identity with the chain at one branch, the draft cache
 after a tree (the accepted path's keys moved into place, bit for bit what a fresh draft computes),
 greedy output equal to plain decoding, and the planner that trims a tree to the rows that pay
@@ -18,7 +18,7 @@ from quickdraft.models.decoder import Decoder
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.proposers.base import DraftProposal
-from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.draft.model import DraftModelProposer
 from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration
 from quickdraft.sampling import SamplingParams
 from quickdraft.verify.rejection import VerifyOutput

@@ -1,4 +1,4 @@
-"""The truncated draft vocabulary's subset (proposers/draft_vocab.py): ranking, counting once per
+"""The truncated draft vocabulary's subset (proposers/draft/vocab.py): ranking, counting once per
 tokenizer and corpus into the cache, a user's id file, and the config keys' validation."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from quickdraft.config import SpeculativeConfig
 from quickdraft.errors import ConfigError
 from quickdraft.models.loader import load_model
-from quickdraft.proposers import draft_vocab
+from quickdraft.proposers.draft import vocab as draft_vocab
 
 # the tiny Hugging Face model of conftest: 257 byte-level tokens, then <|endoftext|> <|im_start|>
 # <|im_end|> (257..259); eos ids 259 and 257

@@ -1,4 +1,4 @@
-"""Method "layer_skip" (proposers/layer_skip.py) on tiny random models, float32: the decoder's
+"""Method "layer_skip" (proposers/draft/layer_skip.py) on tiny random models, float32: the decoder's
 skip arguments, the search, the cache the draft shares with the target, and losslessness (greedy
 output equal to plain decoding token for token in ragged batches, with a draft that always
 agrees, one in between and the searched one; sampled output distributed as the target's through
@@ -16,7 +16,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
-from quickdraft.proposers.layer_skip import SkipSearch, SkipSet
+from quickdraft.proposers.draft.layer_skip import SkipSearch, SkipSet
 from quickdraft.sampling import SamplingParams
 from tests.verify.test_statistics import chi_square_pvalue
 

@@ -92,7 +92,7 @@ def test_auto_gives_a_gguf_draft_q4_0_and_null_keeps_it_stored(smollm2_path, tmp
     """"auto" (the default) requantizes a GGUF draft on the block kernels as "q4_0" does, through
     the loader's own cached conversion (a draft loaded by name is not read as stored first); a
     draft given "quantization": null stays as its file stores it."""
-    import quickdraft.proposers.draft_load as draft_load
+    import quickdraft.proposers.draft.load as draft_load
 
     def config(**extra):
         spec = SpeculativeConfig.parse({"method": "draft_model", "model": MODEL, **extra})

@@ -1,5 +1,5 @@
-"""The suffix structure of method "suffix" (proposers/suffix_tree.py) and its proposer
-(proposers/suffix.py) without a model: counts, longest match, the most frequent path and its
+"""The suffix structure of method "suffix" (proposers/lookup/suffix_tree.py) and its proposer
+(proposers/lookup/suffix.py) without a model: counts, longest match, the most frequent path and its
 min_prob cut, the adaptive length, bounded memory, persistence, and the config's errors."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.errors import ConfigError
-from quickdraft.proposers.suffix import SuffixCache, SuffixProposer
-from quickdraft.proposers.suffix_tree import SuffixTrie
+from quickdraft.proposers.lookup.suffix import SuffixCache, SuffixProposer
+from quickdraft.proposers.lookup.suffix_tree import SuffixTrie
 
 
 def counts(trie: SuffixTrie, path) -> tuple[int, int]:

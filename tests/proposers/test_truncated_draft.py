@@ -1,5 +1,5 @@
 """End to end on tiny random models, float32: a draft_model proposer with a truncated vocabulary
-(proposers/draft_vocab.py) changes only the speed. Greedy output equals plain decoding token for
+(proposers/draft/vocab.py) changes only the speed. Greedy output equals plain decoding token for
 token, with a subset that holds every token the target picks (a self-draft then accepts all) and
 with subsets that leave out tokens the target wants (rejections); the draft proposes only subset
 tokens, and its q is a distribution over the whole vocabulary, zero outside the subset. The
@@ -130,7 +130,7 @@ def test_int8_draft_head_is_truncated_before_quantizing(plain, tmp_path):
 
 def test_counted_subset_on_a_model_with_a_tokenizer(tiny_hf_dir, tmp_cache, tmp_path, monkeypatch):
     """draft_vocab_size counts over the corpus (here a small one) and truncates a GGUF-less model."""
-    from quickdraft.proposers import draft_vocab
+    from quickdraft.proposers.draft import vocab as draft_vocab
 
     text = tmp_path / "corpus.py"
     text.write_text("def f(x):\n    return x + 1\n" * 20)
@@ -146,7 +146,7 @@ def test_counted_subset_on_a_model_with_a_tokenizer(tiny_hf_dir, tmp_cache, tmp_
 
 def test_block_weight_head_is_selected(tmp_path):
     """A GGUF head kept as stored blocks is truncated with BlockWeight.select."""
-    from quickdraft.proposers.draft_load import truncated_head
+    from quickdraft.proposers.draft.load import truncated_head
 
     cfg = tiny_config("qwen2", vocab_size=8, hidden_size=64)
     w = random_weights(cfg)

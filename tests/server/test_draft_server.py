@@ -1,8 +1,8 @@
 """A draft model under a grammar, with the real ``openai`` client against ``quickdraft serve``
 (SmolLM2-135M, float32): a json_schema response_format gives the same greedy text with the draft
 model speculating as without speculation, streaming and not, for a draft of the target's
-vocabulary (its q masked by the grammar, proposers/draft_model.py) and one that drafts through
-text (``cross_tokenizer``, proposers/draft_text.py)."""
+vocabulary (its q masked by the grammar, proposers/draft/model.py) and one that drafts through
+text (``cross_tokenizer``, proposers/draft/text.py)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from quickdraft.errors import ConfigError
 from quickdraft.models import eagle3 as head_file
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights
-from quickdraft.proposers.eagle3 import Eagle3Proposer
-from quickdraft.proposers.heads import embed_rows
+from quickdraft.proposers.heads.eagle3 import Eagle3Proposer
+from quickdraft.proposers.heads.common import embed_rows
 from quickdraft.sampling import SamplingParams
 from quickdraft.train import eagle3 as trainer
 from quickdraft.train.loop import batches
@@ -136,7 +136,7 @@ def test_sampled_output_follows_the_target(trained):
 def test_a_wrong_q_is_detected(trained, monkeypatch):
     """The test has power: q claimed uniform over the draft vocabulary while the tokens come from
     the head's peaked q over-accepts the head's tokens, and the TV test sees it."""
-    import quickdraft.proposers.heads as heads
+    import quickdraft.proposers.heads.common as heads
 
     real = heads.sample_rows
 
@@ -146,7 +146,7 @@ def test_a_wrong_q_is_detected(trained, monkeypatch):
             q = torch.where(q > 0, 1.0 / 64, 0.0)
         return ids, q, confident
 
-    monkeypatch.setattr("quickdraft.proposers.eagle3.sample_rows", wrong)
+    monkeypatch.setattr("quickdraft.proposers.heads.eagle3.sample_rows", wrong)
     spec = {"method": "eagle3", "model": trained[0], "num_speculative_tokens": 3}
     plain, speculative = samples(None, range(96)), samples(spec, range(96, 192))
     assert tv_test(speculative, plain, 8).p_value < 0.01
@@ -278,7 +278,7 @@ def test_prefix_caching_reuses_the_heads_cache(trained, monkeypatch):
     """With the prefix cache on, each request reuses its prefix, and the head drafts from exactly
     the context it has with the cache off. Where the head's rows go past the shared prefix (e, f,
     h), the row of the prefix's last token is the target's to compute again (Eagle3Proposer.reuse)."""
-    from quickdraft.proposers import eagle3
+    from quickdraft.proposers.heads.common import eagle3
 
     on, _ = same_with_the_cache_on_and_off({"method": "eagle3", "model": trained[0]}, eagle3, monkeypatch)
     a = on[0]
@@ -307,11 +307,11 @@ def test_a_reused_prefix_keeps_the_head_rows_and_features_inside_it(trained):
 
 
 def test_a_head_served_from_blocks_reads_a_quarter_and_drafts_the_same(trained):
-    """On the CPU's block kernels a head's matrices are served as Q8_0 (proposers/heads.py): a
+    """On the CPU's block kernels a head's matrices are served as Q8_0 (proposers/heads/common.py): a
     quarter of float32's bytes, logits within int8 rounding of the float head's, the trained head
     itself untouched; and the output stays plain decoding's (the verifier decides)."""
     from quickdraft.models.kernels import block_linear
-    from quickdraft.proposers.heads import BlockLinear, head_bytes, serving_head
+    from quickdraft.proposers.heads.common import BlockLinear, head_bytes, serving_head
 
     if block_linear() is None:
         pytest.skip("no GGUF block kernels on this CPU")

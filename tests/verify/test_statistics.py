@@ -9,7 +9,7 @@ first token alone p_0, by a chi-square test (p-value > 1e-4). The same test must
 deliberately wrong rules (p-value < 1e-4; they run on N / 4, and still score p-values that
 underflow to 0), which shows that it has the power to catch a bug.
 
-A truncated draft vocabulary (proposers/draft_vocab.py) runs through the same test: the draft
+A truncated draft vocabulary (proposers/draft/vocab.py) runs through the same test: the draft
 scores only a subset of the tokens, samples with the draft_model proposer's own functions, and
 hands on q over the whole vocabulary with zeros outside the subset.
 """

@@ -111,7 +111,7 @@ class Decoder(ReferenceLayers):
 
         A skipped sublayer adds nothing to the residual stream, and a skipped attention sublayer
         neither writes nor reads the layer's keys and values (SWIFT's self-speculative draft,
-        proposers/layer_skip.py).
+        proposers/draft/layer_skip.py).
 
         Where the kernels run the layers (``native``) and no row is past ``MAX_ROW_BY_ROW`` (a long
         prompt takes the Python layers), the pass is one native call; with skipped sublayers, a

@@ -21,7 +21,7 @@ import torch
 
 from quickdraft.models import medusa as head_file
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.heads import resolve_dir, sample_rows, serving_head
+from quickdraft.proposers.heads.common import resolve_dir, sample_rows, serving_head
 from quickdraft.proposers.tree_drafts import DraftTreeState, EdgeCalibration, merged_proposal, top_children, tree_requests
 
 

@@ -1,6 +1,6 @@
-"""A draft model loaded and run for drafting, shared by the draft proposers (proposers/draft_model.py
-and, for a draft with another tokenizer, proposers/draft_text.py): ``load_draft`` resolves a
-speculative config's device, int8 or Q4_0 blocks and truncated output head (proposers/draft_vocab.py),
+"""A draft model loaded and run for drafting, shared by the draft proposers (proposers/draft/model.py
+and, for a draft with another tokenizer, proposers/draft/text.py): ``load_draft`` resolves a
+speculative config's device, int8 or Q4_0 blocks and truncated output head (proposers/draft/vocab.py),
 and ``draft_pass`` runs one pass over each slot's new tokens.
 """
 
@@ -20,7 +20,7 @@ from quickdraft.models.kernels import block_linear
 from quickdraft.models.loader import cached_blocks, ids_key, select_rows
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable
-from quickdraft.proposers import draft_vocab
+from quickdraft.proposers.draft import vocab as draft_vocab
 
 # Draft passes that read a long catch-up (a prompt) run at prefill speed per row, not at the
 # speed the plan prices draft tokens at: the cost model learns from the others only.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from quickdraft.proposers.base import DraftProposal, accepts_trees, register
+from quickdraft.proposers.base import BaseProposer, DraftProposal, accepts_trees, register
 
 
 def lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
@@ -69,7 +69,7 @@ def merge(paths: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
 
 
 @register("ngram")
-class NgramProposer:
+class NgramProposer(BaseProposer):
     cost = None  # a lookup in numpy costs next to nothing beside a target pass
 
     def __init__(self, n_max: int, n_min: int, branches: int = 1):
@@ -93,18 +93,3 @@ class NgramProposer:
         flat = [t for d in drafts for t in d]
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], None,
                              parents if any(p is not None for p in parents) else None)
-
-    def observe(self, seqs, outcome) -> None:
-        pass
-
-    def catchup_rows(self, seq) -> int:
-        return 0
-
-    def reuse(self, seq, source, num_tokens) -> int:
-        return num_tokens  # no KV: its state is read from the sequence's tokens
-
-    def release(self, seq) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

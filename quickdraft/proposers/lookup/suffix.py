@@ -1,7 +1,7 @@
 """Method "suffix": SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975; Arctic Inference, vLLM's
 ``suffix`` method), written here from the paper's design.
 
-Two suffix tries (proposers/suffix_tree.py) are read at every step:
+Two suffix tries (proposers/lookup/suffix_tree.py) are read at every step:
 
 - the sequence's own: its prompt and output, added token by token as the sequence grows
   (O(depth) a token; built from the prompt at the sequence's first draft);
@@ -35,7 +35,7 @@ import torch
 
 from quickdraft.errors import ConfigError
 from quickdraft.proposers.base import DraftProposal, accepts_trees, register
-from quickdraft.proposers.suffix_tree import DraftTree, SuffixTrie
+from quickdraft.proposers.lookup.suffix_tree import DraftTree, SuffixTrie
 
 log = logging.getLogger("quickdraft.proposers")
 

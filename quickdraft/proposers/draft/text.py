@@ -1,11 +1,11 @@
 """Method "draft_model" with ``cross_tokenizer``: a draft model whose vocabulary is not the
 target's proposes through text (transformers' universal assisted generation; Timor et al. 2025).
 
-Each sequence's slot holds a ``DraftView`` (proposers/retokenize.py): the draft's own tokenization
+Each sequence's slot holds a ``DraftView`` (proposers/draft/retokenize.py): the draft's own tokenization
 of the target's committed text, special tokens and chat template included, and the ids whose keys
 the draft's KV cache holds. Before a proposal the view follows the target's new tokens (a window
 of its tail encoded again with the new text; the cache keeps its common prefix with the new ids),
-the draft decodes greedily from there, batched over sequences like proposers/draft_model.py, and
+the draft decodes greedily from there, batched over sequences like proposers/draft/model.py, and
 stops at its own end-of-text token (proposed as the target's), or once its text makes more than K
 target tokens. Its tokens are converted to target ids through their bytes, at most K of them.
 
@@ -31,9 +31,9 @@ from quickdraft.errors import ConfigError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
 from quickdraft.proposers.base import DraftProposal
-from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
+from quickdraft.proposers.draft.load import MAX_OBSERVED_FEED, draft_pass, load_draft
+from quickdraft.proposers.draft.retokenize import Bridge, common_prefix
 from quickdraft.proposers.draft_sampling import confident_rows
-from quickdraft.proposers.retokenize import Bridge, common_prefix
 from quickdraft.sampling import argmax_rows
 
 # The draft's tokens of a text may outnumber the target's (a smaller vocabulary): its cache holds
@@ -52,7 +52,7 @@ class TextDraftProposer:
     def __init__(self, draft: Decoder, bridge: Bridge, num_slots: int, max_len: int, confidence_threshold: float = 0.0,
                  calibrate_cost: bool = False, head_ids: torch.Tensor | None = None):
         """``max_len``: the draft tokens a slot holds; ``head_ids`` [N]: the draft id of each row
-        of a truncated output head (proposers/draft_vocab.py), None: every row."""
+        of a truncated output head (proposers/draft/vocab.py), None: every row."""
         self.model, self.bridge = draft, bridge
         self.head_ids = None if head_ids is None else head_ids.to(draft.device)
         self.threshold = confidence_threshold

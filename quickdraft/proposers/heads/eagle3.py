@@ -25,7 +25,7 @@ import torch
 from quickdraft.cost import LinearCost, calibrate
 from quickdraft.models import eagle3 as head_file
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.heads import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head
+from quickdraft.proposers.heads.common import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
                                               top_children, tree_requests)
 
@@ -117,7 +117,7 @@ class Eagle3Proposer:
         return DraftProposal(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], q_all)
 
     def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
-        """Each sequence's tree, grown as the draft model grows its own (proposers/draft_model.py's
+        """Each sequence's tree, grown as the draft model grows its own (proposers/draft/model.py's
         ``_grow_trees``): a node is the head's pair (its parent's output as the feature, its token's
         embedding) at its depth's position, written to the head's cache past the committed rows,
         over which it attends with its ancestors and itself. Nothing is kept of the tree after

@@ -19,7 +19,7 @@ with no Python between the passes.
 Three options trade nothing but speed: ``draft_confidence_threshold`` ends a sequence's draft
 early once the draft's own probability of its token drops below it, ``quantization`` runs the
 draft in int8 (models/quant.py), and ``draft_vocab_size`` (or ``draft_vocab_file``) truncates the
-draft's output head to a subset of the vocabulary (proposers/draft_vocab.py): the draft's logits,
+draft's output head to a subset of the vocabulary (proposers/draft/vocab.py): the draft's logits,
 argmax and q are over the subset, mapped back to full ids, and q is handed on as the full-vocabulary
 distribution it is, zero outside the subset. None of them can change the output: only the
 target's verification decides.
@@ -31,8 +31,8 @@ the accepted path's keys moved into place (``KVCache.keep_path``), so the next p
 up exactly as after a chain.
 
 A draft with another tokenizer is refused here (``check_same_vocabulary``), unless the config asks
-for ``cross_tokenizer``: then ``from_config`` builds proposers/draft_text.py's proposer, which drafts
-through text. Both load and run the draft through proposers/draft_load.py.
+for ``cross_tokenizer``: then ``from_config`` builds proposers/draft/text.py's proposer, which drafts
+through text. Both load and run the draft through proposers/draft/load.py.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from quickdraft.cost import calibrate, key_reads
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.draft_load import MAX_OBSERVED_FEED, draft_pass, load_draft
+from quickdraft.proposers.draft.load import MAX_OBSERVED_FEED, draft_pass, load_draft
 from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
 from quickdraft.sampling import draw_uniforms, head_columns
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
@@ -80,7 +80,7 @@ class DraftModelProposer:
     @classmethod
     def from_config(cls, spec, ctx):
         if spec.cross_tokenizer:  # a draft of any vocabulary, proposing through text
-            from quickdraft.proposers.draft_text import TextDraftProposer
+            from quickdraft.proposers.draft.text import TextDraftProposer
 
             return TextDraftProposer.from_config(spec, ctx)
         draft, config, weights, quantize, head_ids = load_draft(spec, ctx, check_vocabulary=True)

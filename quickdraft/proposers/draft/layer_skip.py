@@ -11,7 +11,7 @@ what verification kept, so nothing the draft wrote is ever read by the target. D
 a sequence once the draft's probability of its own token falls below
 ``draft_confidence_threshold`` (SWIFT's dynamic stop). The draft hands its q on, so sampled
 requests stay exact through the standard verifier. Like a draft model's, its output head may be
-the target's truncated to the frequent tokens (``draft_vocab_size``, proposers/draft_vocab.py):
+the target's truncated to the frequent tokens (``draft_vocab_size``, proposers/draft/vocab.py):
 on the Qwen 1.5B (GGUF) the head is 19% of a pass's bytes and the 65536 rows kept are 43% of it (on its
 GGUF blocks here the head's pass measured 7.5-8 ms at both sizes, so the search's byte count
 overstates that saving there).
@@ -42,9 +42,9 @@ import torch
 from quickdraft.cost import LinearCost, calibrate, expected_tokens, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.models.decoder import AttentionMetadata, Decoder, linear, nbytes
-from quickdraft.proposers import draft_vocab
 from quickdraft.proposers.base import DraftProposal, register
-from quickdraft.proposers.draft_load import head_rows
+from quickdraft.proposers.draft import vocab as draft_vocab
+from quickdraft.proposers.draft.load import head_rows
 from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class LayerSkipProposer:
                  head_ids: torch.Tensor | None = None):
         """``fixed``: draft with this skip set and never search; None: search on the fly.
         ``head_ids`` [N] int64: the draft scores only these tokens (its output head is those rows of
-        the target's, proposers/draft_vocab.py; q is zero elsewhere); None: the whole vocabulary."""
+        the target's, proposers/draft/vocab.py; q is zero elsewhere); None: the whole vocabulary."""
         self.model, self.kv = decoder, kv
         self.vocab_size = decoder.config.vocab_size
         self.head = decoder.lm_head if head_ids is None else head_rows(decoder.lm_head, head_ids)
