@@ -1,10 +1,36 @@
-"""quickdraft: lossless speculative decoding for Llama, Mistral, Qwen and Gemma models, on CPU or GPU."""
+"""quickdraft: lossless speculative decoding for Llama, Mistral, Qwen and Gemma models, on CPU or GPU.
 
-from quickdraft.engine.threads import fit_to_quota
-from quickdraft.llm import LLM
-from quickdraft.sampling import SamplingParams
+The public names are imported on first use (PEP 562), so that ``import quickdraft.<layer>`` loads
+that layer and what it imports, not torch and the engine: ``quickdraft.kernels.isa`` is plain
+Python, and a command that only parses its flags stays quick to start.
+"""
+
+from __future__ import annotations
+
+import importlib
+
 from quickdraft.version import __version__
 
-fit_to_quota()  # a container's CPU limit, not the node's cores (engine/threads.py)
+# public name -> the module that defines it
+_LAZY = {
+    "LLM": "quickdraft.llm",
+    "SamplingParams": "quickdraft.sampling",
+    "RequestOutput": "quickdraft.engine.sequence",
+    "EngineConfig": "quickdraft.config",
+    "SpeculativeConfig": "quickdraft.config",
+}
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quickdraft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -118,6 +118,25 @@ def _loaded_after(code: str) -> set[str]:
     return set(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
+def _all_loaded_after(code: str) -> set[str]:
+    """Every module a fresh interpreter holds after ``code``, torch's included."""
+    script = code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent)
+    assert p.returncode == 0, p.stderr
+    return set(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_the_package_or_the_isa_table_loads_no_torch_and_no_engine():
+    """``import quickdraft`` names LLM, SamplingParams, ... lazily (PEP 562); the ISA table is
+    plain Python that ``quickdraft check`` and the build read without the rest."""
+    for code in ("import quickdraft", "import quickdraft.models.kernels.isa"):
+        loaded = _all_loaded_after(code)
+        assert "torch" not in loaded, code
+        assert not {m for m in loaded if m.startswith(("quickdraft.engine", "quickdraft.llm"))}, code
+    loaded = _all_loaded_after("import quickdraft\nquickdraft.LLM, quickdraft.SamplingParams, quickdraft.RequestOutput")
+    assert {"torch", "quickdraft.llm", "quickdraft.engine.engine"} <= loaded
+
+
 def test_a_server_replica_imports_only_the_serve_arguments():
     loaded = _loaded_after("from quickdraft.server.cli import args_from_dict, serve_parser\n"
                            "args_from_dict({'model': 'x.gguf', 'max_num_seqs': 4}, 'a test')\nserve_parser()")

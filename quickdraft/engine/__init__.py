@@ -1,0 +1,6 @@
+"""The engine: the scheduler (CPU bookkeeping), the runner (propose, one target pass, verify,
+commit), the engine loop, the prefix cache and the CPU threads the passes run on."""
+
+from quickdraft.engine.threads import fit_to_quota
+
+fit_to_quota()  # a container's CPU limit, not the node's cores (engine/threads.py)

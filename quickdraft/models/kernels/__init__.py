@@ -23,11 +23,12 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from quickdraft.models.kernels import isa as isas
-from quickdraft.models.registry import cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 HERE = Path(__file__).parent
 SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "forward.cpp")  # compiled into one module
@@ -139,6 +140,8 @@ def native_decoder():
 
 def dense_linear(dtype: torch.dtype, device: torch.device | str):
     """The kernel for a ``dtype`` weight and activations on ``device``, or None (then torch's linear)."""
+    import torch
+
     if torch.device(device).type != "cpu":
         return None
     if dtype == torch.bfloat16:
@@ -166,6 +169,8 @@ class Invariance:
 def invariance(dtype: torch.dtype, device: torch.device | str, blocks: bool = False) -> Invariance:
     """What the decoder's linear promises for ``dtype`` activations on ``device`` on this machine,
     with dense weights or (``blocks``) GGUF block weights (blocks.cpp)."""
+    import torch
+
     device = torch.device(device)
     name = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
     name = f"gguf-blocks-{name}" if blocks else name
@@ -186,11 +191,21 @@ def invariance(dtype: torch.dtype, device: torch.device | str, blocks: bool = Fa
 
 
 def _why_no_kernel(dtype: torch.dtype) -> str:
+    import torch
+
     if dtype not in (torch.float32, torch.bfloat16):
         return f"no kernel for {dtype}"
     if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0":
         return "QUICKDRAFT_KERNELS=0"
     return "the kernels did not build (see the warning above)"
+
+
+def cache_dir() -> Path:
+    """``$QUICKDRAFT_CACHE``, or ``~/.cache/quickdraft`` (models/registry.py's ``cache_dir``, read
+    here so that the kernels import nothing of the layers above them); created on first use."""
+    root = Path(os.environ.get("QUICKDRAFT_CACHE") or Path.home() / ".cache" / "quickdraft")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 # A build takes 3-7 minutes here; a build lock older than this was left by one that was killed.
@@ -222,6 +237,7 @@ def _module():
 def build(isa: isas.Isa):
     """The kernels compiled for ``isa`` (built on first use, then loaded from the cache), or None
     with a warning where they do not build. One module per instruction set and source version."""
+    import torch
     from torch.utils import cpp_extension
 
     features = isas.cpu_features()
