@@ -238,7 +238,7 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a slot before new ones are refused
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # "gguf": a GGUF's block-quantized matrices (Q4_K, Q6_K, Q8_0, ...) stay as stored, target and
-    # draft, multiplied by the CPU kernels of models/kernels/blocks.cpp; "none" (or None):
+    # draft, multiplied by the CPU kernels of kernels/blocks.cpp; "none" (or None):
     # dequantized to dtype; "auto": "gguf" where those kernels run (models/loader.py)
     quantization: str | None = "auto"
     # A new prompt (the next chat turn, a shared system prompt) starts from the longest prefix it

@@ -188,7 +188,7 @@ def row_kernels(x: Tensor):
     """The CPU kernels' module where it takes ``x`` (a [N, V] float32 or bfloat16 CPU tensor), else None."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] == 0:
         return None
-    from quickdraft.models.kernels import rowwise
+    from quickdraft.kernels import rowwise
 
     return rowwise()
 
@@ -210,7 +210,7 @@ def argmax_rows(x: Tensor) -> Tensor:
 
 def argmax_finite(x: Tensor) -> tuple[Tensor, Tensor | None]:
     """(argmax_rows(x) [N], and [N] bool whether each row of ``x`` [N, V] is finite, or None). On
-    the CPU the kernels take both from one read of the rows (kernels/rowwise.cpp); elsewhere only
+    the CPU the kernels take both from one read of the rows (kernels/verify.cpp); elsewhere only
     the argmax is taken, and the caller checks the rows as it would have."""
     kernels = row_kernels(x)
     if kernels is not None:

@@ -9,7 +9,7 @@ import pytest
 from quickdraft.commands.cli import main
 from quickdraft.cost import LinearCost
 from quickdraft.commands.profile import predict
-from quickdraft.models.kernels import native_decoder
+from quickdraft.kernels import native_decoder
 
 
 def test_predict_turns_speculation_off_where_rows_are_dear():

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from quickdraft.models import registry
 from quickdraft.models.decoder import linear, nbytes
 from quickdraft.models.ggml import LANES, BlockWeight
-from quickdraft.models.kernels import block_linear
+from quickdraft.kernels import block_linear
 from quickdraft.models.gguf import _torch_shape, open_gguf
 from quickdraft.models.memory import into_huge_pages
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quickdraft.models.kernels import block_linear
+from quickdraft.kernels import block_linear
 
 # type name -> (weights per block, bytes per block) in the file
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),

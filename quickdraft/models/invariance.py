@@ -16,7 +16,7 @@ import torch
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder, linear
-from quickdraft.models.kernels import int8_linear
+from quickdraft.kernels import int8_linear
 from quickdraft.models.ggml import BlockWeight
 from quickdraft.models.quant import Int8Weight
 

@@ -28,7 +28,7 @@ from quickdraft.models import hf as hf_loader
 from quickdraft.models import registry
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.ggml import BlockWeight, requantize_wider
-from quickdraft.models.kernels import block_linear
+from quickdraft.kernels import block_linear
 from quickdraft.models.memory import into_huge_pages, read_safetensors
 from quickdraft.models.rope import RopeScaling
 from quickdraft.models.tokenizer import Tokenizer

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.models.kernels import int8_linear
+from quickdraft.kernels import int8_linear
 
 
 @dataclass

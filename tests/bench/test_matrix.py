@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from quickdraft.bench import matrix
-from quickdraft.models.kernels import block_linear
+from quickdraft.kernels import block_linear
 
 
 @pytest.mark.slow

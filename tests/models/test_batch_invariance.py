@@ -15,7 +15,7 @@ import torch
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder, _bmm_rows, linear, rms_norm
 from quickdraft.models.invariance import probe, probe_linear
-from quickdraft.models.kernels import block_linear, invariance
+from quickdraft.kernels import block_linear, invariance
 from quickdraft.models.quant import Int8Weight
 from quickdraft.models.tiny import random_weights, tiny_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.models.kernels import chain_attention
+from quickdraft.kernels import chain_attention
 
 pytestmark = pytest.mark.skipif(chain_attention() is None, reason="no CPU kernels here: the decoder's torch loop runs")
 

@@ -19,7 +19,7 @@ import torch
 from quickdraft.errors import ModelFormatError
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
-from quickdraft.models.kernels import isa
+from quickdraft.kernels import isa
 from quickdraft.models.loader import load_model
 from tests.models.families import random_model, save_hf_dir, transformers_logits, write_gguf
 

@@ -16,8 +16,8 @@ import torch
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BLOCKS, BlockWeight
-from quickdraft.models.kernels import block_linear
-from quickdraft.models.kernels import fused_layer
+from quickdraft.kernels import block_linear
+from quickdraft.kernels import fused_layer
 from quickdraft.models.tiny import random_weights, tiny_config
 
 pytestmark = pytest.mark.skipif(fused_layer() is None, reason="the CPU kernels are not available here")

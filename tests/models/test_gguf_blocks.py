@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from quickdraft.models.ggml import BLOCKS, BlockWeight
-from quickdraft.models.kernels import amx_active, block_linear
+from quickdraft.kernels import amx_active, block_linear
 
 HAS_KERNELS = block_linear() is not None
 # where the float16 fields of each block lie (scale d, and min / dmin where there is one)

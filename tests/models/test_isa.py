@@ -1,4 +1,4 @@
-"""Which instruction set the kernels are built for (models/kernels/isa.py): the CPU's features as
+"""Which instruction set the kernels are built for (kernels/isa.py): the CPU's features as
 Linux (x86 flags, ARM Features and hwcaps) and macOS (sysctl) tell them, the best ISA of the table,
 and QUICKDRAFT_ISA forcing a lower one. Pure Python: the CPUs are described, not needed."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from quickdraft.models.kernels import isa
+from quickdraft.kernels import isa
 
 ZEN3 = frozenset("fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2".split())
 ZEN4 = ZEN3 | frozenset("avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 avx512vbmi".split())

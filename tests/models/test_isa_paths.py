@@ -14,7 +14,7 @@ from test_gguf_blocks import random_blocks  # tests/models is on the path, as py
 
 from quickdraft.models import kernels
 from quickdraft.models.ggml import BLOCKS, BlockWeight
-from quickdraft.models.kernels import isa
+from quickdraft.kernels import isa
 from quickdraft.models.quant import Int8Weight
 
 HERE = [i for i in isa.ISAS if isa.runs_here(i)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quickdraft.models.kernels import (HEADERS, HERE, SOURCES, STALE_LOCK_S, _clear_stale_lock, _module, bf16_linear,
+from quickdraft.kernels import (HEADERS, HERE, SOURCES, STALE_LOCK_S, _clear_stale_lock, _module, bf16_linear,
                                       chosen_isa, int8_linear, isa, path_name)
 from quickdraft.models.quant import Int8Weight, int8_matmul
 

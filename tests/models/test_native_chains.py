@@ -16,7 +16,7 @@ import torch
 from test_fused_layer import LAYOUTS, random_block_weight  # this folder is on the path, as pytest collects it
 
 from quickdraft.models.decoder import Decoder
-from quickdraft.models.kernels import native_decoder
+from quickdraft.kernels import native_decoder
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.proposers.draft.model import DraftModelProposer
 from quickdraft.sampling import SamplingParams, make_generator

@@ -13,7 +13,7 @@ from test_fused_layer import LAYOUTS, PASSES, model, run, tree_mask  # tests/mod
 from quickdraft.kv_cache import KVCache
 from quickdraft.models import kernels
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata
-from quickdraft.models.kernels import isa, native_decoder
+from quickdraft.kernels import isa, native_decoder
 
 pytestmark = pytest.mark.skipif(native_decoder() is None, reason="the CPU kernels are not available here")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft.models.kernels import isa
+from quickdraft.kernels import isa
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "tests" / "native"

@@ -1,5 +1,6 @@
-"""kernels/rowwise.cpp: RMSNorm and rotary in one call each, close to the torch versions the
-decoder runs elsewhere, and each row's bits independent of the other rows."""
+"""kernels/rows.cpp and verify.cpp: RMSNorm and rotary, and the verifier's and sampler's rows, in one
+call each, close to the torch versions the decoder runs elsewhere, and each row's bits independent
+of the other rows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from quickdraft.models import decoder
-from quickdraft.models.kernels import rowwise
+from quickdraft.kernels import rowwise
 
 pytestmark = pytest.mark.skipif(rowwise() is None, reason="no CPU kernels here: the decoder's torch ops run")
 

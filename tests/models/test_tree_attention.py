@@ -9,7 +9,7 @@ import torch
 
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
-from quickdraft.models.kernels import chain_attention, tree_attention
+from quickdraft.kernels import chain_attention, tree_attention
 from quickdraft.models.tiny import random_weights, tiny_config
 
 pytestmark = pytest.mark.skipif(tree_attention() is None, reason="no CPU kernels here: trees take the masked matmul")

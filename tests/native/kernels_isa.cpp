@@ -4,10 +4,10 @@
 #include <cstring>
 #include <vector>
 
-#include "../../quickdraft/models/kernels/attention.h"
-#include "../../quickdraft/models/kernels/blocks.h"
-#include "../../quickdraft/models/kernels/linear.h"
-#include "../../quickdraft/models/kernels/rowwise.h"
+#include "../../quickdraft/kernels/attention.h"
+#include "../../quickdraft/kernels/blocks.h"
+#include "../../quickdraft/kernels/linear.h"
+#include "../../quickdraft/kernels/rowwise.h"
 
 #define QD_CAT2(a, b) a##_##b
 #define QD_CAT(a, b) QD_CAT2(a, b)

@@ -16,7 +16,7 @@ from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
 from quickdraft.models import ggml
 from quickdraft.models.ggml import BlockWeight
-from quickdraft.models.kernels import block_linear
+from quickdraft.kernels import block_linear
 from quickdraft.models.loader import load_model
 
 MODEL = "smollm2-135m-instruct"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from qd_server import MAX_MODEL_LEN, MODEL
 
-from quickdraft.models.kernels import block_linear, invariance
+from quickdraft.kernels import block_linear, invariance
 
 pytestmark = pytest.mark.slow
 

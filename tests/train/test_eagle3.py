@@ -310,7 +310,7 @@ def test_a_head_served_from_blocks_reads_a_quarter_and_drafts_the_same(trained):
     """On the CPU's block kernels a head's matrices are served as Q8_0 (proposers/heads/common.py): a
     quarter of float32's bytes, logits within int8 rounding of the float head's, the trained head
     itself untouched; and the output stays plain decoding's (the verifier decides)."""
-    from quickdraft.models.kernels import block_linear
+    from quickdraft.kernels import block_linear
     from quickdraft.proposers.heads.common import BlockLinear, head_bytes, serving_head
 
     if block_linear() is None:

@@ -136,7 +136,7 @@ def test_shape_errors_name_the_argument(change, message):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kind", ["q", "point-masses", "head"])
 def test_the_kernels_rule_emits_the_torch_paths_tokens(monkeypatch, dtype, kind):
-    """On the CPU verify runs the rule in the kernels (rowwise.cpp's verify_chains), shaping a
+    """On the CPU verify runs the rule in the kernels (kernels/verify.cpp's verify_chains), shaping a
     target row only once the drafts before it were accepted; torch's path (CUDA's) shapes them
     all. Both emit the same tokens, batch after batch: greedy, temperature, top-k, top-p and
     min-p sequences side by side, chains of 0 to 5 drafts, drafts the target likes (accepted)

@@ -32,7 +32,7 @@ from quickdraft.models.decoder.native import NativeLayers
 from quickdraft.models.decoder.ops import Rotary, linear, nbytes, rms_norm
 from quickdraft.models.decoder.reference import MAX_ROW_BY_ROW, ReferenceLayers
 from quickdraft.models.ggml import BlockWeight, on_blocks
-from quickdraft.models.kernels import Invariance, invariance
+from quickdraft.kernels import Invariance, invariance
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantize_weights
 

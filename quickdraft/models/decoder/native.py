@@ -22,7 +22,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models.config import EMBED_SCALE
 from quickdraft.models.decoder.metadata import AttentionMetadata
 from quickdraft.models.ggml import LANES, BlockWeight
-from quickdraft.models.kernels import fused_layer, native_decoder
+from quickdraft.kernels import fused_layer, native_decoder
 
 DENSE = -1  # kernels/layer.h's kind of a dense projection of the activations' dtype
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

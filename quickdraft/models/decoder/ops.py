@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from quickdraft.models.families import SILU
 from quickdraft.models.ggml import BlockWeight
-from quickdraft.models.kernels import dense_linear, rowwise
+from quickdraft.kernels import dense_linear, rowwise
 from quickdraft.models.quant import Int8Weight
 from quickdraft.models.rope import Rope, rotary_tables
 
@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [n, hidden]: normalized in float32, returned in x's dtype. With a weight of x's dtype as
     Hugging Face's LlamaRMSNorm (rounded, then times the weight); with a float32 weight as Gemma's
     (times the weight in float32, rounded once: models/families.py's unit offset). On the CPU in one
-    call (kernels/rowwise.cpp)."""
+    call (kernels/rows.cpp)."""
     gemma = weight.dtype != x.dtype
     if gemma and weight.dtype != torch.float32:
         raise ValueError(f"a norm's weight of {weight.dtype} for {x.dtype} rows: of their dtype or float32")
@@ -112,7 +112,7 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, angles: tuple | None = None) -> torch.Tensor:
         """x [n, heads, head_dim], positions [n] -> rotated x (computed in float32; on the CPU in
-        one call, kernels/rowwise.cpp). ``angles``: ``self.angles(positions)`` where the caller
+        one call, kernels/rows.cpp). ``angles``: ``self.angles(positions)`` where the caller
         has them (a pass's layers share them)."""
         kernels = rowwise() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
         if kernels is not None:

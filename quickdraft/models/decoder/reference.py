@@ -22,7 +22,7 @@ import torch
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.decoder.metadata import AttentionMetadata, attention_mask, tree_paths, windowed_mask
 from quickdraft.models.decoder.ops import _bmm_rows, act_mul, linear, rms_norm
-from quickdraft.models.kernels import chain_attention, tree_attention
+from quickdraft.kernels import chain_attention, tree_attention
 
 CHAIN_HEAD_DIMS = range(16, 257, 16)  # head sizes kernels/attention.cpp takes
 MAX_ROW_BY_ROW = 32  # without the kernels, a chain of at most this many new tokens attends row by row (_attention)

@@ -16,7 +16,7 @@ from quickdraft.kv_cache import KVCache
 from quickdraft.models import registry
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BlockWeight, on_blocks, requantize_wider, wider
-from quickdraft.models.kernels import block_linear
+from quickdraft.kernels import block_linear
 from quickdraft.models.loader import cached_blocks, ids_key, select_rows
 from quickdraft.models.memory import into_huge_pages
 from quickdraft.models.quant import quantizable

@@ -95,7 +95,7 @@ def serving_head(module: nn.Module, quantization: str | None, device) -> nn.Modu
     config asks for them (``HEAD_BLOCKS``; "auto": Q8_0 where the CPU's block kernels run, else
     float32). The trained module is copied, never changed."""
     from quickdraft.models.ggml import BLOCKS
-    from quickdraft.models.kernels import block_linear
+    from quickdraft.kernels import block_linear
 
     kind = HEAD_BLOCKS.get(quantization) if quantization is not None else None
     runs = torch.device(device).type == "cpu" and block_linear() is not None

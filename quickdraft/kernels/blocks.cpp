@@ -7,7 +7,7 @@
 #include "blocks.h"
 #include "entry.h"
 #if defined(QD_ISA_AVX512)
-#include "amx_x86.h"
+#include "arch/amx_x86.h"
 #endif
 
 namespace {

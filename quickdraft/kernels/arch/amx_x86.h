@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "blocks.h"
+#include "../blocks.h"
 
 namespace qd {
 inline namespace QD_ISA_NS {

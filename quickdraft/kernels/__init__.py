@@ -2,11 +2,13 @@
 under ``$QUICKDRAFT_CACHE/extensions/torch-<version>-<source hash>-<instruction set>``: a bfloat16
 and a float32 linear for the decoder, an int8 linear (int8 weights and activations, W8A8) for
 draft models (linear.h), a linear over GGUF block weights as stored (blocks.h, models/ggml.py), a
-chain's attention (attention.cpp), RMSNorm and rotary (rowwise.cpp), a whole decoder layer made
-of them (layer.cpp) and the whole decoder in one call (forward.cpp), each written once against
-the vector layer (simd.h) and built for the instruction set ``isa.choose()`` picks. Each has a
+chain's attention (attention.cpp), RMSNorm and rotary (rows.cpp), the verifier's and sampler's
+rows (verify.cpp), a whole decoder layer made of them (layer.cpp) and the whole decoder in one
+call (forward.cpp), registered with Python in bindings.cpp, each written once against the vector
+layer (simd.h, over arch/) and built for the instruction set ``isa.choose()`` picks. Each has a
 plain torch fallback: where the compiler is missing or ``QUICKDRAFT_KERNELS=0``, the getters
-return None and the caller uses torch.
+return None and the caller uses torch. The layer imports nothing of quickdraft, and no torch
+until a kernel is asked for.
 
 The kernels are batch invariant by construction (see linear.h, tiles.h); torch's matmul is not, and how
 it fails depends on the CPU and its BLAS (MKL picks another float32 kernel for 13 rows and up on
@@ -25,17 +27,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quickdraft.models.kernels import isa as isas
+from quickdraft.kernels import isa as isas
 
 if TYPE_CHECKING:
     import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("linear.cpp", "blocks.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "forward.cpp")  # compiled into one module
-# the walk (tiles.h), the entry points (entry.h), the vector layer and its instruction sets (simd.h,
-# isa_*.h), the cores on raw pointers (linear.h, blocks.h, attention.h, rowwise.h) and AMX (amx_x86.h)
-HEADERS = ("tiles.h", "entry.h", "layer.h", "simd.h", "isa_avx512.h", "isa_avx2.h", "isa_neon.h", "isa_portable.h", "linear.h",
-           "blocks.h", "attention.h", "rowwise.h", "amx_x86.h")
+# compiled into one module: its Python bindings, then the kernels
+SOURCES = ("bindings.cpp", "linear.cpp", "blocks.cpp", "attention.cpp", "rows.cpp", "verify.cpp", "layer.cpp", "forward.cpp")
+# the walk (tiles.h), the entry points (entry.h), the vector layer (simd.h) and its instruction sets
+# (arch/isa_*.h), the cores on raw pointers (linear.h, blocks.h, attention.h, rowwise.h) and AMX
+# (arch/amx_x86.h); paths relative to this folder, kept in the build's copy
+HEADERS = ("tiles.h", "entry.h", "layer.h", "simd.h", "arch/isa_avx512.h", "arch/isa_avx2.h", "arch/isa_neon.h",
+           "arch/isa_portable.h", "linear.h", "blocks.h", "attention.h", "rowwise.h", "arch/amx_x86.h")
 
 
 @functools.cache
@@ -120,7 +124,7 @@ def tree_attention():
 
 def rowwise():
     """The compiled ``rms_norm(x, weight, eps)`` and ``rotary(x, cos, sin, positions)`` (see
-    rowwise.cpp), as the module that holds them, or None."""
+    rows.cpp), and the verifier's rows (verify.cpp), as the module that holds them, or None."""
     return _module()
 
 
@@ -250,6 +254,7 @@ def build(isa: isas.Isa):
     src.mkdir(parents=True, exist_ok=True)
     for name in SOURCES + HEADERS:
         copy = src / name
+        copy.parent.mkdir(exist_ok=True)  # arch/
         if not copy.exists() or copy.read_bytes() != (HERE / name).read_bytes():
             tmp = copy.with_suffix(copy.suffix + f".{os.getpid()}.tmp")
             tmp.write_bytes((HERE / name).read_bytes())

@@ -1,7 +1,7 @@
 // A layer's row-wise and elementwise steps on raw pointers, written against the vector layer
 // (simd.h): RMSNorm, rotary, SiLU, adds, multiplies and conversions, each value rounded as torch
 // rounds it.
-// rowwise.cpp binds them to torch; tests/native runs them on every ISA. T is float (float32) or
+// rows.cpp and verify.cpp bind them to torch; tests/native runs them on every ISA. T is float (float32) or
 // uint16_t (bfloat16).
 //
 // Why by hand: at one to a few rows these are a few thousand values each, where a torch call's

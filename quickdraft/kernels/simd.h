@@ -1,7 +1,7 @@
 // The vector layer every kernel is written against: 16 float32 lanes (F16), 16 int32 lanes
 // (I16) and 64 bytes (B64, byte 4l..4l+3 belonging to lane l), with the operations the kernels
-// use. One header per instruction set implements it (isa_avx512.h, isa_avx2.h with and without
-// AVX-VNNI, isa_neon.h, isa_portable.h), chosen when the module is compiled (QD_ISA_*, set by kernels/__init__.py);
+// use. One header per instruction set implements it (arch/: isa_avx512.h, isa_avx2.h with and
+// without AVX-VNNI, isa_neon.h, isa_portable.h), chosen when the module is compiled (QD_ISA_*, set by kernels/__init__.py);
 // adding an instruction set is adding a header. The kernels never name an intrinsic.
 //
 // The contract that keeps the kernels batch invariant and, where it can, equal across ISAs:
@@ -47,19 +47,19 @@ inline float from_bf16(uint16_t h) {
 // QD_ISA_NS: an inline namespace that the kernels' own names (linear.h, blocks.h) go in too, so
 // that two ISAs' builds of one template never meet under one symbol
 #if defined(QD_ISA_AVX512)
-#include "isa_avx512.h"
+#include "arch/isa_avx512.h"
 #define QD_ISA_NS avx512
 #elif defined(QD_ISA_AVX2)
-#include "isa_avx2.h"
+#include "arch/isa_avx2.h"
 #define QD_ISA_NS avx2
 #elif defined(QD_ISA_AVX2_VNNI)
-#include "isa_avx2.h"
+#include "arch/isa_avx2.h"
 #define QD_ISA_NS avx2_vnni
 #elif defined(QD_ISA_NEON)
-#include "isa_neon.h"
+#include "arch/isa_neon.h"
 #define QD_ISA_NS neon
 #elif defined(QD_ISA_PORTABLE)
-#include "isa_portable.h"
+#include "arch/isa_portable.h"
 #define QD_ISA_NS portable
 #else
 #error "define one of QD_ISA_AVX512, QD_ISA_AVX2, QD_ISA_AVX2_VNNI, QD_ISA_NEON, QD_ISA_PORTABLE"

@@ -1,4 +1,4 @@
-// The module's entry points, one declaration each: linear.cpp registers them with Python, and
+// The module's entry points, one declaration each: bindings.cpp registers them with Python, and
 // layer.cpp strings them into a decoder layer. The *_into variants write into given contiguous
 // outputs (forward.cpp's workspace); the others allocate theirs.
 #pragma once
@@ -47,7 +47,7 @@ void attend_chain_into(const torch::Tensor& q, const torch::Tensor& keys, const 
 void attend_tree_into(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, int64_t ctx,
                       const torch::Tensor& start, const torch::Tensor& path, double scale, const torch::Tensor& out, int64_t window);
 
-// rowwise.cpp
+// rows.cpp: the layer's row operations
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions);
 void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor& y);
@@ -59,6 +59,8 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 torch::Tensor act_mul(torch::Tensor gate, torch::Tensor up, int64_t act);
 void convert_into(const torch::Tensor& src, const torch::Tensor& dst);
 void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t at);
+
+// verify.cpp: the verifier's and the sampler's rows
 std::tuple<torch::Tensor, torch::Tensor> argmax_finite(torch::Tensor x);
 torch::Tensor softmax_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,
                            c10::optional<torch::Tensor> top_p, c10::optional<torch::Tensor> min_p);

@@ -1,8 +1,8 @@
 """Which instruction set the CPU kernels are built for: the CPU's features, read the way each OS
 tells them, and the table of the kernels' instruction sets, best first.
 
-Each entry of ``ISAS`` is one header of the vector layer (simd.h: isa_avx512.h, isa_avx2.h (with
-AVX-VNNI or without), isa_neon.h, isa_portable.h) and the compiler flags it needs. ``choose()`` takes the best one the
+Each entry of ``ISAS`` is one header of the vector layer (simd.h: arch/isa_avx512.h, arch/isa_avx2.h (with
+AVX-VNNI or without), arch/isa_neon.h, arch/isa_portable.h) and the compiler flags it needs. ``choose()`` takes the best one the
 CPU runs, or the one ``QUICKDRAFT_ISA`` names (a lower one, to test its path on a machine that
 has a better one). Plain Python, no torch: ``quickdraft check`` and the tests read it directly.
 """
