@@ -15,7 +15,7 @@ from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.sequence import RequestOutput
 from quickdraft.engine.threads import set_threads
-from quickdraft.kv_cache import fit_max_model_len, free_memory
+from quickdraft.models.kv_cache import fit_max_model_len, free_memory
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
 

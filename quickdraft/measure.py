@@ -82,7 +82,7 @@ def top2_margin(decoder, ids: list[int]) -> dict:
     rounding difference between a verification pass and a decoding step can flip the argmax."""
     import torch
 
-    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import AttentionMetadata
 
     kv = KVCache(decoder.config, 1, len(ids), decoder.dtype, decoder.device)

@@ -180,7 +180,7 @@ def test_calibration_runs_once_per_machine_and_model(monkeypatch, tmp_cache):
     import torch
 
     from quickdraft import cost
-    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.tiny import random_weights, tiny_config
 
@@ -210,7 +210,7 @@ def test_a_calibration_timed_on_a_busy_machine_is_not_cached(monkeypatch, tmp_ca
     import torch
 
     from quickdraft import cost
-    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.tiny import random_weights, tiny_config
 

@@ -9,7 +9,7 @@ import torch
 
 from quickdraft import llm as llm_module
 from quickdraft.errors import ConfigError
-from quickdraft.kv_cache import HEADROOM_MIN_BYTES, KVCache, fit_max_model_len
+from quickdraft.models.kv_cache import HEADROOM_MIN_BYTES, KVCache, fit_max_model_len
 from quickdraft.llm import LLM
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config

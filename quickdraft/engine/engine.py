@@ -24,7 +24,7 @@ from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
 from quickdraft.engine.stops import StopRules
 from quickdraft.engine.threads import governor
 from quickdraft.errors import ConfigError, PromptTooLongError
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.ggml import on_blocks
 from quickdraft.models.loader import LoadedModel, load_model

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from quickdraft.cost import Acceptance, LinearCost, TreeChoice, key_reads, plan_tree_sizes
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.engine.sequence import Sequence, SpecStats, TokenLogprob
 from quickdraft.engine.stops import StopRules

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder, linear
 from quickdraft.kernels import int8_linear
 from quickdraft.models.ggml import BlockWeight

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from quickdraft.config import SpeculativeConfig
     from quickdraft.cost import LinearCost
     from quickdraft.engine.sequence import Sequence
-    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.loader import LoadedModel
     from quickdraft.verify.rejection import VerifyOutput

@@ -234,7 +234,7 @@ class Labeller:
     """One teacher-forced pass of the target over a window -> its Window (on the CPU)."""
 
     def __init__(self, model, seq_len: int):
-        from quickdraft.kv_cache import KVCache
+        from quickdraft.models.kv_cache import KVCache
         from quickdraft.models.decoder import Decoder
         from quickdraft.models.eagle3 import default_aux_layers
 

@@ -16,7 +16,7 @@ import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.decoder.graphs import CudaGraphs, batch_bucket, keys_bucket, static_pass
 from quickdraft.models.loader import LoadedModel

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder, _bmm_rows, linear, rms_norm
 from quickdraft.models.invariance import probe, probe_linear
 from quickdraft.kernels import block_linear, invariance

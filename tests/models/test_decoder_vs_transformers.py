@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import load_model
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from quickdraft.errors import ModelFormatError
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.kernels import isa
 from quickdraft.models.loader import load_model

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BLOCKS, BlockWeight
 from quickdraft.kernels import block_linear

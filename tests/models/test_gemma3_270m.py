@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import load_model
 

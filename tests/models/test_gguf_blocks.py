@@ -131,7 +131,7 @@ def test_stored_model_agrees_with_the_dequantized_one(smollm2_path):
     """SmolLM2 on its Q4_1 blocks against the same file dequantized to float32: the rows of q and
     k are reordered right (llama's rotary permutation), the cache returns what the conversion
     produced, and int8 activations keep the greedy choice on most positions."""
-    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import AttentionMetadata, Decoder
     from quickdraft.models.loader import load_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.kernels import chain_attention, tree_attention
 from quickdraft.models.tiny import random_weights, tiny_config

@@ -12,7 +12,7 @@ import torch
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config

@@ -14,7 +14,7 @@ import pytest
 import torch
 from qd_server import MODEL
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import load_model
 

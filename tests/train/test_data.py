@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quickdraft.errors import ConfigError
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.models.tiny import random_weights

@@ -11,7 +11,7 @@ import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.train import data, draft as distill, loop

@@ -213,7 +213,7 @@ def test_wrong_tree_rules_are_detected(monkeypatch, name):
 
 
 def test_the_kv_cache_keeps_the_accepted_path_in_place():
-    from quickdraft.kv_cache import KVCache
+    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.tiny import tiny_config
 
     config = tiny_config()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder.metadata import AttentionMetadata
 from quickdraft.models.config import EMBED_SCALE
 from quickdraft.models.decoder.ops import rms_norm

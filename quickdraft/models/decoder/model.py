@@ -24,7 +24,7 @@ from collections.abc import Collection
 
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.config import EMBED_SCALE, ModelConfig, activation_dtype
 from quickdraft.models.decoder.graphs import CudaGraphs
 from quickdraft.models.decoder.metadata import AttentionMetadata, pass_trees

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.config import EMBED_SCALE
 from quickdraft.models.decoder.metadata import AttentionMetadata
 from quickdraft.models.ggml import LANES, BlockWeight

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder.metadata import AttentionMetadata, attention_mask, tree_paths, windowed_mask
 from quickdraft.models.decoder.ops import _bmm_rows, act_mul, linear, rms_norm
 from quickdraft.kernels import chain_attention, tree_attention

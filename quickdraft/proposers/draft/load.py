@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from quickdraft.errors import ConfigError
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models import registry
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.ggml import BlockWeight, on_blocks, requantize_wider, wider

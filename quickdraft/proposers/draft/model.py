@@ -43,7 +43,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from quickdraft.cost import calibrate, key_reads
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft.load import MAX_OBSERVED_FEED, draft_pass, load_draft

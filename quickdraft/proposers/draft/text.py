@@ -28,7 +28,7 @@ import torch
 
 from quickdraft.cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
-from quickdraft.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
 from quickdraft.proposers.base import DraftProposal
 from quickdraft.proposers.draft.load import MAX_OBSERVED_FEED, draft_pass, load_draft
