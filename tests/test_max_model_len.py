@@ -9,7 +9,7 @@ import torch
 
 from quickdraft import llm as llm_module
 from quickdraft.errors import ConfigError
-from quickdraft.models.kv_cache import HEADROOM_MIN_BYTES, KVCache, fit_max_model_len
+from quickdraft.models.kv_cache import DEFAULT_CPU_KV_BYTES, HEADROOM_MIN_BYTES, KVCache, fit_max_model_len
 from quickdraft.llm import LLM
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
@@ -40,10 +40,24 @@ def test_the_default_fits_the_kv_cache_in_the_memory_left(monkeypatch):
     llm = LLM(TINY, dtype="float32", max_num_seqs=4)
     fits = 2**20 // (4 * PER_TOKEN)
     assert fits < 8192 and llm.engine.max_model_len == fits // 256 * 256
-    assert llm.max_model_len_reason == (f"max model len {fits // 256 * 256} (KV memory: 1 MiB free for 4 sequences; "
-                                        "the model allows 8192)")
+    assert llm.max_model_len_reason == (f"max model len {fits // 256 * 256} (KV memory: 1 MiB free after the weights, "
+                                        "for 4 sequences; the model allows 8192: --max-model-len asks for more)")
     # the same memory holds twice the length for half the sequences
     assert fit_max_model_len(CONFIG, None, 2, torch.float32, free=HEADROOM_MIN_BYTES + 2**20)[0] == 2 * fits // 256 * 256
+
+
+def test_on_a_cpu_the_default_stays_within_the_default_kv_space():
+    """A context that would need more than the default KV space on a CPU (a 32k-token model for 8
+    sequences: 7.5 GB, zeroed) is cut to what fits in it, however much memory is free; a length
+    given is not cut."""
+    big = tiny_config("llama", vocab_size=64, hidden_size=1536, num_layers=28, max_positions=32768)
+    per_position = KVCache.bytes_per_token(big, torch.bfloat16) * 8
+    assert per_position * 32768 > DEFAULT_CPU_KV_BYTES
+    length, why = fit_max_model_len(big, None, 8, torch.bfloat16, free=64 * GiB)
+    assert length == DEFAULT_CPU_KV_BYTES // per_position // 256 * 256 and "the default KV space, 4.0 GiB" in why
+    assert fit_max_model_len(big, None, 8, torch.bfloat16, free=None)[0] == length
+    assert fit_max_model_len(big, 32768, 8, torch.bfloat16, free=64 * GiB)[0] == 32768
+    assert fit_max_model_len(big, None, 8, torch.bfloat16, device="cuda", free=64 * GiB)[0] == 32768
 
 
 def test_no_memory_figure_means_the_models_context(monkeypatch):

@@ -19,6 +19,12 @@ from quickdraft.models.config import ModelConfig
 HEADROOM = 0.2
 HEADROOM_MIN_BYTES = 512 * 2**20
 LENGTH_STEP = 256  # a length chosen by memory is a multiple of this
+# On a CPU, the KV cache a default length may take, at most: the cache is allocated whole (every
+# slot's every position) and zeroed, so a 1.5B model's 32,768-token context for 8 sequences took
+# 7.5 GB, with the draft's own cache 12 GB of resident memory, most of it never used. vLLM's CPU
+# backend defaults its KV space to 4 GiB (VLLM_CPU_KVCACHE_SPACE) for the same reason; so does
+# this, and --max-model-len asks for more.
+DEFAULT_CPU_KV_BYTES = 4 * 2**30
 
 
 class KVCache:
@@ -107,6 +113,10 @@ def fit_max_model_len(config: ModelConfig, requested: int | None, num_slots: int
     per_position = KVCache.bytes_per_token(config, dtype) * slots  # one position of every slot
     budget = None if free is None else max(0, free - max(HEADROOM_MIN_BYTES, int(free * HEADROOM)))
     fits = None if budget is None else budget // per_position
+    space = f"{_size(budget)} free after the weights" if budget is not None else ""
+    if requested is None and torch.device(device).type == "cpu" and (budget is None or budget > DEFAULT_CPU_KV_BYTES):
+        budget, space = DEFAULT_CPU_KV_BYTES, f"the default KV space, {_size(DEFAULT_CPU_KV_BYTES)}"
+        fits = budget // per_position
     if requested is not None:
         if requested > context:
             raise ConfigError(f"max_model_len {requested} is more than {config.name or 'the model'}'s context "
@@ -122,5 +132,5 @@ def fit_max_model_len(config: ModelConfig, requested: int | None, num_slots: int
     if length < 2:
         raise ConfigError(f"no room for a KV cache: {_size(budget)} free after the weights, and a position of "
                           f"{num_slots} sequences takes {per_position} bytes; lower max_num_seqs", "max_model_len")
-    return length, (f"max model len {length} (KV memory: {_size(budget)} free for {num_slots} sequences; "
-                    f"the model allows {context})")
+    return length, (f"max model len {length} (KV memory: {space}, for {num_slots} sequences; "
+                    f"the model allows {context}: --max-model-len asks for more)")
