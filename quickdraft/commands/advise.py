@@ -171,18 +171,6 @@ def headroom(target_cost, k: int, batch: int, context: int) -> float | None:
     return target_cost(batch * (k + 1), batch, batch * key_reads(context, k + 1)) / plain
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def decide(result: dict, budget: int | None) -> dict:
     """The decision framework on measured inputs -> {"speculate": bool, "drafter", "reasons",
     "speculative_config"}. A drafter qualifies when what it adds fits ``budget`` (bytes; None: no
@@ -346,6 +334,7 @@ def advise(args) -> int:
     from quickdraft.commands.advise_report import write
     from quickdraft import datasets
     from quickdraft.kernels import cpu_model
+    from quickdraft.models.kv_cache import free_memory
     from quickdraft.models.loader import load_model
 
     started = time.time()
@@ -366,7 +355,7 @@ def advise(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     result = measure(model, kept, variants, batches, params, args.num_speculative_tokens, args.dtype, args.device,
                      args.max_model_len, progress=args.progress)
-    budget = int(args.memory_budget_mib * 2**20) if args.memory_budget_mib is not None else available_memory()
+    budget = int(args.memory_budget_mib * 2**20) if args.memory_budget_mib is not None else free_memory()
     result.update({
         "model": args.model, "prompts_source": Path(args.prompts).name, "num_prompts": len(kept),
         "skipped_prompts": len(prompts) - len(kept), "max_tokens": args.max_tokens, "dtype": args.dtype,
