@@ -147,7 +147,7 @@ def tiny_hf_dir(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 @pytest.fixture
 def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch fallback, as where the CPU kernels do not build or with ``QUICKDRAFT_KERNELS=0``."""
-    from quickdraft.models import kernels
+    from quickdraft import kernels
 
     monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
     monkeypatch.setattr(kernels, "_module", lambda: None)

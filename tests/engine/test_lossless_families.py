@@ -12,7 +12,7 @@ import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
-from quickdraft.models import kernels
+from quickdraft import kernels
 from quickdraft.kernels import isa
 from quickdraft.models.loader import load_model
 from quickdraft.models.tiny import perturbed

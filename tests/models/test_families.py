@@ -83,7 +83,7 @@ def test_every_instruction_set_here_matches_transformers(models, family: str, so
     """Each instruction set this CPU runs, forced as QUICKDRAFT_ISA forces it (on an AVX-512 CPU:
     avx512, avx2 and portable): transformers' logits, and in float32 the very bits of the default
     path (the kernels promise float32 the same bits on every path)."""
-    from quickdraft.models import kernels
+    from quickdraft import kernels
 
     _, hf_dir, gguf_file, theirs = models[family]
     loaded = load_model(str(hf_dir if source == "hf" else gguf_file), torch.float32, quantization="none")
@@ -112,7 +112,7 @@ def test_every_path_gives_the_same_bits(models, family: str, monkeypatch: pytest
         decoder.native = None  # the Python layers over the same kernels
         assert torch.equal(our_logits(decoder, PROMPT), native)
     monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
-    from quickdraft.models import kernels
+    from quickdraft import kernels
 
     monkeypatch.setattr(kernels, "_module", lambda: None)
     plain = Decoder(loaded.config, loaded.weights)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_gguf_blocks import random_blocks  # tests/models is on the path, as pytest collects it
 
-from quickdraft.models import kernels
+from quickdraft import kernels
 from quickdraft.models.ggml import BLOCKS, BlockWeight
 from quickdraft.kernels import isa
 from quickdraft.models.quant import Int8Weight

@@ -11,7 +11,7 @@ import torch
 from test_fused_layer import LAYOUTS, PASSES, model, run, tree_mask  # tests/models is on the path, as pytest collects it
 
 from quickdraft.models.kv_cache import KVCache
-from quickdraft.models import kernels
+from quickdraft import kernels
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata
 from quickdraft.kernels import isa, native_decoder
 
