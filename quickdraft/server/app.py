@@ -39,7 +39,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.async_engine import AsyncEngine, Group
 from quickdraft.server.guard import CatchAll, internal_error, request_id
-from quickdraft.server.limits import DEFAULT_MAX_BODY_BYTES, PromptBound, decode_body, read_body
+from quickdraft.server.limits import (DEFAULT_MAX_BODY_BYTES, HeaderLimit, PromptBound, ReturnMemory, check_counts,
+                                     decode_body, read_body)
 from quickdraft.server.metrics import CONTENT_TYPE
 from quickdraft.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body, openapi_body,
@@ -86,6 +87,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     api = _Api(engine, settings)
     _add_error_handlers(app, api)
     app.add_middleware(CatchAll, on_error=lambda: engine.metrics.failure("error"))
+    app.add_middleware(HeaderLimit, on_refuse=lambda: engine.metrics.failure("bad_request"))
+    app.add_middleware(ReturnMemory)  # outermost: after the response, errors included (limits.py)
 
     app.get("/health")(api.health)
     app.get("/version")(api.version)
@@ -155,6 +158,7 @@ class _Api:
             raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         body = await decode_body(await read_body(request, self.settings.max_body_bytes))
+        check_counts(body, self.max_model_len, self.engine.engine.model.config.vocab_size)
         req = parse_request(model, body)
         optional = model in (TokenizeRequest, DetokenizeRequest)  # vLLM's tokenizer routes may leave it out
         if not (optional and req.model is None) and req.model not in self.settings.served_model_names:

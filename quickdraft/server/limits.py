@@ -1,7 +1,9 @@
 """Bounded request parsing: what a body may cost the server before any model work.
 
-Four bounds, each checked before the next step would pay for what it guards:
+Six bounds, each checked before the next step would pay for what it guards:
 
+- *header size*: headers of more than ``MAX_HEADER_BYTES`` in all (uvicorn's parser takes any
+  size) are a 400 before any route runs (``HeaderLimit``);
 - *body size*: the body is read in chunks and refused with a 413 once it passes
   ``max_body_bytes`` (a ``Content-Length`` above it is refused before reading);
 - *nesting depth*: the raw bytes' bracket depth (outside strings) is measured with numpy before
@@ -9,21 +11,33 @@ Four bounds, each checked before the next step would pay for what it guards:
   pydantic a dropped connection); a 400 past ``MAX_JSON_DEPTH``;
 - *valid Unicode*: JSON may escape a lone surrogate (``"\\ud800"``), which no UTF-8 text holds
   and the tokenizer refuses with a TypeError; a 400 naming the field;
+- *counts*: a model name longer than ``MAX_MODEL_NAME_CHARS``, more messages or prompt token ids
+  than the context holds tokens (each message takes at least one), more logit_bias keys than the
+  vocabulary has tokens, are refused from the decoded JSON, before validation builds an object of
+  each or a chat template renders them;
 - *prompt length*: a text's UTF-8 byte count bounds its token count from below (``PromptBound``),
   so a text that cannot fit the context is refused without tokenizing it.
+
+Memory a large body took is returned to the system afterwards (``ReturnMemory``): glibc keeps
+freed blocks mapped in its heaps, and without the trim the server held what its largest requests
+took (+88 MiB after 88 hostile requests; docs/serving-errors.md has the figures).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from quickdraft.server.protocol import APIError
+from quickdraft.server.protocol import APIError, error_body
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 # Deep enough for any JSON schema or tool definition seen in practice; json.loads recurses once a
@@ -33,6 +47,14 @@ MAX_JSON_DEPTH = 64
 # Larger bodies are scanned and parsed off the event loop (a 32 MiB one takes about a second),
 # so that the streams it serves keep flowing meanwhile.
 OFF_LOOP_BYTES = 2**20
+# A served model's name (a path, a Hugging Face id) is far shorter; a longer one is refused rather
+# than looked up and echoed back.
+MAX_MODEL_NAME_CHARS = 1024
+# Above nginx's default (four 8 KiB buffers) and any API key or cookie seen in practice.
+MAX_HEADER_BYTES = 32 * 2**10
+# A body this large has memory returned to the system once its request is done, TRIM_DELAY_S later
+TRIM_AFTER_BYTES = 256 * 2**10
+TRIM_DELAY_S = 0.2
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _WINDOW = 2**20
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
@@ -67,6 +89,94 @@ def _decode(raw: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     check_unicode(raw, body)
     return body
+
+
+def check_counts(body: Any, max_model_len: int, vocab_size: int) -> None:
+    """A 400 for a decoded body whose model name is too long, whose messages or prompt token ids
+    outnumber the tokens the context holds, or whose logit_bias has more keys than the vocabulary
+    has tokens: found from the lengths alone, before validation."""
+    if not isinstance(body, dict):
+        return
+    model = body.get("model")
+    if isinstance(model, str) and len(model) > MAX_MODEL_NAME_CHARS:
+        raise APIError(400, f"the model name has {len(model)} characters; a model name has at most "
+                       f"{MAX_MODEL_NAME_CHARS}", param="model", code="model_name_too_long")
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) >= max_model_len:
+        raise APIError(400, f"the request has {len(messages)} messages, but the context holds {max_model_len} "
+                       "tokens and each message takes at least one", param="messages", code="context_length_exceeded")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and len(prompt) >= max_model_len:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens, but the context holds {max_model_len}: no room "
+                       "is left to generate", param="prompt", code="context_length_exceeded")
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and len(bias) > vocab_size:
+        raise APIError(400, f"logit_bias has {len(bias)} keys, but the vocabulary has {vocab_size} tokens",
+                       param="logit_bias")
+
+
+class HeaderLimit:
+    """ASGI middleware: a 400 in OpenAI's format for a request whose header names and values take
+    more than MAX_HEADER_BYTES in all; ``on_refuse`` counts it in the server's metrics."""
+
+    def __init__(self, app: ASGIApp, on_refuse: Callable[[], None]):
+        self.app = app
+        self.on_refuse = on_refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        size = sum(len(k) + len(v) for k, v in scope.get("headers", ())) if scope["type"] == "http" else 0
+        if size <= MAX_HEADER_BYTES:
+            await self.app(scope, receive, send)
+            return
+        self.on_refuse()
+        body = error_body(400, f"the request's headers take {size} bytes; this server takes at most "
+                          f"{MAX_HEADER_BYTES}", "invalid_request_error", code="request_headers_too_large")
+        await JSONResponse(body, status_code=400)(scope, receive, send)
+
+
+class ReturnMemory:
+    """ASGI middleware: once the last request with a body of more than TRIM_AFTER_BYTES is done
+    (its response sent), glibc's ``malloc_trim(0)`` TRIM_DELAY_S later, once for all the requests
+    done meanwhile: the free pages of every malloc arena go back to the system. Counted from the
+    bytes the app received, so a body refused with a 413 part way counts too. A no-op where the C
+    library has no malloc_trim (musl, macOS)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+        name = ctypes.util.find_library("c")
+        self._trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        self._large = 0  # requests with a large body not yet done
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._trim is None:
+            await self.app(scope, receive, send)
+            return
+        size, large = 0, False
+
+        async def counted() -> Message:
+            nonlocal size, large
+            message = await receive()
+            size += len(message.get("body", b""))
+            if not large and size > TRIM_AFTER_BYTES:
+                large = True
+                self._large += 1
+                if self._timer is not None:  # a trim now would come before this body is freed
+                    self._timer.cancel()
+                    self._timer = None
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            if large:
+                self._large -= 1
+                if self._large == 0 and self._timer is None:
+                    self._timer = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._run)
+
+    def _run(self) -> None:
+        self._timer = None
+        self._trim(0)
 
 
 def _too_large(size: int, max_bytes: int) -> APIError:
