@@ -34,14 +34,26 @@ def build_engine(config: EngineConfig, target: LoadedModel | None = None) -> tup
 
 
 class LLM:
+    """A target model with its drafter, ready to generate: the engine of ``quickdraft serve``
+    without the server. Not thread-safe: one ``generate`` or ``chat`` at a time."""
+
     def __init__(self, model: "str | LoadedModel", speculative_config: "dict | str | SpeculativeConfig | None" = None,
                  dtype: str = "bfloat16", device: str = "cpu", max_model_len: int | None = None,
                  max_num_seqs: int = 8, quantization: str | None = "auto", enable_prefix_caching: bool = True,
                  threads: int | None = None, enforce_eager: bool = False):
-        """``threads``: CPU threads for torch and the kernels, process-wide (default: torch's, one per
-        physical core this process may run on; see engine/threads.py). ``max_model_len``: None, the
-        model's context length where the KV cache of ``max_num_seqs`` sequences fits in the memory
-        left after the weights, else the most that does (``max_model_len_reason`` says which)."""
+        """``model``: a built-in name (``quickdraft models``), a ``.gguf`` file or a Hugging Face
+        directory, or a model already loaded. ``speculative_config``: the drafter, as a dict or as
+        the JSON of ``--speculative-config`` (None: plain decoding). ``dtype``: the activations'
+        (``bfloat16``, ``float16``, ``float32``). ``quantization``: ``auto`` runs a GGUF model on its
+        stored blocks where the CPU kernels run, ``None`` dequantizes to ``dtype``. ``max_num_seqs``:
+        the sequences decoded together (the KV cache holds that many). ``enable_prefix_caching``:
+        reuse the keys of a prompt's prefix seen before. ``enforce_eager``: no CUDA graphs.
+
+        ``threads``: CPU threads for torch and the kernels, process-wide (default: torch's, one per
+        physical core this process may run on). ``max_model_len``: None, the model's context length,
+        less where the KV cache of ``max_num_seqs`` sequences would not fit in the memory left after
+        the weights or, on a CPU, in 4 GiB (``max_model_len_reason`` says which); a length given
+        beyond the model's context or the memory is an error."""
         if threads is not None:
             set_threads(threads)
         name = model if isinstance(model, str) else model.source

@@ -28,13 +28,18 @@ CURRENT = {
 
 # -- the CLI reference ---------------------------------------------------------------------------
 
-def _subparsers(parser: argparse.ArgumentParser):
-    """(prog, parser) for every subcommand under ``parser``, depth first."""
+def _subparsers(parser: argparse.ArgumentParser, prog: str = "quickdraft"):
+    """(its command words, parser) for every subcommand under ``parser``, depth first (the words,
+    not argparse's ``prog``: under a parser with a usage of its own that is the whole usage)."""
     for action in parser._actions:  # argparse keeps subcommands in a private action
         if isinstance(action, argparse._SubParsersAction):
-            for sub in dict.fromkeys(action.choices.values()):  # aliases map to one parser
-                yield sub.prog, sub
-                yield from _subparsers(sub)
+            seen = set()
+            for name, sub in action.choices.items():
+                if id(sub) in seen:  # aliases map to one parser
+                    continue
+                seen.add(id(sub))
+                yield f"{prog} {name}", sub
+                yield from _subparsers(sub, f"{prog} {name}")
 
 
 def cli_reference() -> str:
