@@ -10,7 +10,7 @@ import pytest
 
 from quickdraft.commands.check import verdict
 from quickdraft.commands.cli import main
-from quickdraft.engine import runner
+from quickdraft.verify import step as verifier
 
 SHORT = ["--num-prompts", "3", "--max-tokens", "12", "--num-seeds", "24", "--num-sampled-prompts", "1",
          "--sample-tokens", "4"]
@@ -47,7 +47,7 @@ def test_check_passes(capsys, smollm2_path, dtype, method):
 def test_a_broken_verifier_fails(capsys, smollm2_path, monkeypatch):
     """A verifier that, after a rejection, accepts every draft token anyway: check exits 1 and
     names the position where the speculative output leaves plain decoding. Broken in both of the
-    runner's chain verifiers: ``verify``, and ``greedy_walk``, which all-greedy batches go to."""
+    step's chain verifiers (verify/step.py): ``verify``, and ``greedy_walk``, which all-greedy batches go to."""
 
     def accepts_everything(real):
         def broken(draft_token_ids, num_tokens, *rest):
@@ -61,8 +61,8 @@ def test_a_broken_verifier_fails(capsys, smollm2_path, monkeypatch):
             return out
         return broken
 
-    monkeypatch.setattr(runner, "verify", accepts_everything(runner.verify))
-    monkeypatch.setattr(runner, "greedy_walk", accepts_everything(runner.greedy_walk))
+    monkeypatch.setattr(verifier, "verify", accepts_everything(verifier.verify))
+    monkeypatch.setattr(verifier, "greedy_walk", accepts_everything(verifier.greedy_walk))
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     code, r = _check(capsys, smollm2_path, "float32", spec, "--num-prompts", "3", "--max-tokens", "24",
                      "--num-seeds", "32", "--num-sampled-prompts", "1", "--sample-tokens", "6")

@@ -23,20 +23,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from quickdraft.cost import Acceptance, LinearCost, TreeChoice, key_reads, plan_tree_sizes
 from quickdraft.models.kv_cache import KVCache
-from quickdraft.models.decoder import AttentionMetadata, Decoder
+from quickdraft.models.decoder import AttentionMetadata, Decoder, tree_paths_from_parents
 from quickdraft.engine.sequence import Sequence, SpecStats, TokenLogprob
 from quickdraft.engine.stops import StopRules
 from quickdraft.proposers.base import DraftProposal, Proposer
-from quickdraft.sampling import BatchSampling, argmax_finite, draw_uniforms, row_kernels
+from quickdraft.sampling import BatchSampling
 from quickdraft.structured import apply_masks
 from quickdraft.verify.penalties import shape_rows, shapes_logits
-from quickdraft.verify.rejection import VerifyOutput, greedy_walk, verify
-from quickdraft.verify.tree import DraftTree, verify_tree
+from quickdraft.verify.rejection import VerifyOutput
+from quickdraft.verify.step import finite_rows as _finite_rows  # noqa: F401  (its tests import it from here)
+from quickdraft.verify.step import verify_step
 
 
 PROMPT_LOGPROB_ROWS = 64  # prompt rows whose logits are held at once (prompt_logprobs)
@@ -164,17 +164,13 @@ class Runner:
             batch = self._build_pass(seqs, proposal)
         with times("forward"):
             logits = self._forward(seqs, batch)  # [num_draft_tokens + batch, V]
-        with times("verify"):
-            # the rows' check in one read where the kernels run (sampling.argmax_finite: 0.06 ms for
-            # 5 rows of 151,936 logits against numpy's sum's 0.21, Intel Xeon), and with it the
-            # argmax an all-greedy chain batch whose logits no request shapes walks along
-            walks = self._walks(seqs, proposal)
-            # [rows] each; fine None without the kernels
-            argmax, fine = argmax_finite(logits) if walks or row_kernels(logits) is not None else (None, None)
-            if not walks:
-                argmax = None
-            ok = _finite_rows(logits, proposal.num_tokens, fine, argmax)  # [batch] bool
-            outcome = self._verify(seqs, proposal, logits, argmax)
+        with times("verify"):  # the verifier's one call: finiteness, uniforms, greedy, rejection, trees
+            shapes = any(shapes_logits(s.params) or s.grammar is not None for s in seqs)
+            outcome, ok = verify_step(
+                proposal.token_ids, proposal.num_tokens, logits, [s.params for s in seqs], [s.generator for s in seqs],
+                draft_probs=proposal.probs, draft_columns=proposal.probs_columns, parents=proposal.parents,
+                shape=(lambda rows: self._shaped(seqs, proposal, rows)) if shapes else None,
+                sampling=lambda device: self._batch_sampling(seqs, device))  # ok: [batch] bool
         with times("commit"):
             results = self._commit(seqs, batch, outcome, ok, forced, logits)
         self._learn(batch, results, times)
@@ -216,8 +212,10 @@ class Runner:
         tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
         if proposal.parents is None:
             positions = meta.positions(device)
-        else:  # token trees: a mask and a depth for each sequence's drafts
+        else:  # token trees: a mask (the torch path's) and the kernels' paths, both from the parents, and a depth
             meta.masks = [None if proposal.tree(i) is None else _tree_mask(s.num_pending, proposal.tree(i))
+                          for i, s in enumerate(seqs)]
+            meta.paths = [None if proposal.tree(i) is None else tree_paths_from_parents(s.num_pending, proposal.tree(i))
                           for i, s in enumerate(seqs)]
             positions = torch.tensor([p for i, s in enumerate(seqs) for p in _tree_positions(
                 s.num_cached, s.num_pending, proposal.tree(i) or list(range(-1, proposal.num_tokens[i] - 1)))],
@@ -235,31 +233,6 @@ class Runner:
         batch.states = None if layers is None else (hidden, aux)
         self._prompt_logprobs(seqs, batch.chunks, hidden)
         return self.target.logits(hidden[batch.rows])
-
-    @staticmethod
-    def _walks(seqs: list[Sequence], proposal: DraftProposal) -> bool:
-        """Whether the batch goes to ``greedy_walk`` over the logits as they are: chains (no trees),
-        every request greedy, none shaping its rows (penalties, bias, min_tokens, a grammar)."""
-        return proposal.parents is None and all(
-            s.params.greedy and s.grammar is None and not shapes_logits(s.params) for s in seqs)
-
-    def _verify(self, seqs: list[Sequence], proposal: DraftProposal, logits: torch.Tensor,
-                argmax: torch.Tensor | None = None) -> VerifyOutput:
-        """``argmax`` [rows]: the logits' argmax where ``_walks`` (a row that was not finite: 0)."""
-        if proposal.parents is None and all(s.params.greedy for s in seqs):
-            # what verify does for an all-greedy batch, without the coins and sampling tensors it
-            # would not read: the engine's own time a plain step of the 1.5B 0.93-1.16 -> 0.70-0.77 ms
-            # (AMD EPYC Zen 1, docs/design/verifier.md)
-            return greedy_walk(proposal.token_ids, proposal.num_tokens, self._shaped(seqs, proposal, logits), argmax)
-        uniforms = self._uniforms(seqs, proposal.num_tokens).to(logits.device)
-        if proposal.parents is not None:
-            return self._verify_trees(seqs, proposal, logits, uniforms)
-        return verify(
-            proposal.token_ids.to(logits.device), proposal.num_tokens, self._shaped(seqs, proposal, logits),
-            None if proposal.probs is None else proposal.probs.to(logits.device),
-            self._batch_sampling(seqs, logits.device), uniforms,
-            None if proposal.probs_columns is None else proposal.probs_columns.to(logits.device),
-        )
 
     def _batch_sampling(self, seqs: list[Sequence], device: torch.device) -> BatchSampling:
         """The batch's sampling parameters as tensors, built again only when a request joined,
@@ -429,78 +402,6 @@ class Runner:
                 apply_masks(rows, s.grammar.masks(drafts[at : at + k]).to(rows.device), eos)
             start, at = start + k + 1, at + k
         return shaped
-
-    def _verify_trees(self, seqs: list[Sequence], proposal: DraftProposal, logits: torch.Tensor,
-                      uniforms: torch.Tensor) -> VerifyOutput:
-        """Each sequence's drafts as a tree (a chain is the tree of one branch; verify/tree.py
-        gives it the chain verifier's draws); the commit moves the accepted path's keys and values
-        into place. Proposers make trees only where proposers/base.accepts_trees allows (no shaping, grammar or logprobs)."""
-        logits = self._shaped(seqs, proposal, logits)  # the chains' rows, where a request shapes them
-        proposal = proposal.spread()
-        token_ids, accepted, shapes, row, at = [], [], [], 0, 0
-        for i, (s, k) in enumerate(zip(seqs, proposal.num_tokens)):
-            parents = proposal.tree(i) or list(range(-1, k - 1))
-            tree = DraftTree(proposal.token_ids[at : at + k], parents,
-                             None if proposal.probs is None else proposal.probs[at : at + k])
-            out = verify_tree(tree, logits[row : row + k + 1], s.params, uniforms[row : row + k + 1])
-            shapes.append(None)
-            if proposal.tree(i) is not None:
-                depth = [0] * k
-                for n, parent in enumerate(parents):
-                    depth[n] = 1 + (depth[parent] if parent >= 0 else 0)
-                end = out.path[-1] if out.path else -1
-                shapes[-1] = (max(depth, default=0), end in parents, out.path)
-            token_ids.append(out.token_ids)
-            accepted.append(out.num_accepted)
-            row, at = row + k + 1, at + k
-        return VerifyOutput(token_ids, accepted, shapes)
-
-    @staticmethod
-    def _uniforms(seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
-        """[num_draft_tokens + batch] float64: K_i acceptance coins and one final draw each.
-        Greedy sequences draw nothing, so their generators stay untouched."""
-        parts = [
-            torch.zeros(k + 1, dtype=torch.float64) if s.params.greedy else draw_uniforms(s.generator, k + 1).cpu()
-            for s, k in zip(seqs, num_tokens)
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _finite_rows(logits: torch.Tensor, num_tokens: list[int], fine: torch.Tensor | None = None,
-                 argmax: torch.Tensor | None = None) -> list[bool]:
-    """[batch] whether each sequence's rows of ``logits`` [num_draft_tokens + batch, V] are all
-    finite; a sequence whose logits hold a NaN or inf fails alone, its rows zeroed for verify (and
-    its rows of ``argmax``, the greedy walk's, set to 0: the zeroed rows' argmax).
-
-    ``fine`` [rows] bool: each row's finiteness where the caller has it (sampling.argmax_finite).
-    Otherwise a row's sum is finite only where every logit in it is (a NaN or an inf makes it NaN
-    or inf), so one sum a row clears the rows (~11 us for 151,936 logits where first measured,
-    50-70 us on an AMD EPYC Zen 1, against ~0.3 ms for torch.isfinite's mask and its threads); a
-    row whose sum is not finite is checked logit by logit, since a sum of finite logits can
-    overflow."""
-    if fine is not None:
-        if all(fine.tolist()):  # the usual case, without numpy: its code is cold after a pass (~40 us)
-            return [True] * len(num_tokens)
-        fine = fine.numpy()
-    elif logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is checked below
-            fine = np.isfinite(logits.numpy().sum(-1))  # [rows]
-    else:
-        fine = np.isfinite(logits.float().sum(-1).cpu().numpy())
-    if fine.all():
-        return [True] * len(num_tokens)
-    ok, start = [], 0
-    for k in num_tokens:
-        rows = logits[start : start + k + 1]
-        good = bool(fine[start : start + k + 1].all()) or bool(torch.isfinite(rows).all())
-        if not good:
-            with torch.inference_mode():  # the decoder's logits are inference tensors
-                rows.zero_()
-            if argmax is not None:
-                argmax[start : start + k + 1] = 0
-        ok.append(good)
-        start += k + 1
-    return ok
 
 
 def _grammar_drafts(seqs: list[Sequence], proposal: DraftProposal, forced: list[list[int]]) -> DraftProposal:

@@ -1,6 +1,9 @@
-"""Verification of draft tokens against the target: lossless chain verification (``rejection``)
-and its slow paper-faithful reference (``reference``, used by tests)."""
+"""Verification of draft tokens against the target: the one call a step the engine makes
+(``step.verify_step``: finiteness, uniforms, then greedy, rejection sampling or trees), lossless
+chain verification (``rejection``), token trees (``tree``) and the slow paper-faithful reference
+(``reference``, used by tests)."""
 
 from quickdraft.verify.rejection import VerifyOutput, verify
+from quickdraft.verify.step import verify_step
 
-__all__ = ["VerifyOutput", "verify"]
+__all__ = ["VerifyOutput", "verify", "verify_step"]

@@ -44,7 +44,7 @@ class VerifyOutput:
 
     token_ids: list[list[int]]  # [batch][num_accepted + 1]: accepted draft tokens + one recovered or bonus token
     num_accepted: list[int]  # [batch] draft tokens accepted, 0..K_i
-    # [batch] for a token tree (runner._verify_trees): its depth, whether the accepted path ended
+    # [batch] for a token tree (verify/step.py's _verify_trees): its depth, whether the accepted path ended
     # in a rejection (at a node with children) rather than at a leaf, and the path's nodes; None for a chain
     trees: list[tuple[int, bool, list[int]] | None] | None = None
 

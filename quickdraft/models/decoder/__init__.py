@@ -8,7 +8,8 @@
 - ``native.py``: the same layers on the CPU kernels in C++, a whole pass in one call.
 """
 
-from quickdraft.models.decoder.metadata import AttentionMetadata, attention_mask, pass_trees, tree_paths
+from quickdraft.models.decoder.metadata import (AttentionMetadata, attention_mask, pass_trees, tree_paths,
+                                                 tree_paths_from_parents)
 from quickdraft.models.decoder.model import EMBED_CACHE_ROWS, Decoder
 from quickdraft.models.decoder.native import NativeLayers
 from quickdraft.models.decoder.ops import ROW_MULTIPLE, Rotary, _bmm_rows, _pad_rows, linear, nbytes, rms_norm
@@ -16,4 +17,4 @@ from quickdraft.models.decoder.reference import CHAIN_HEAD_DIMS, MAX_ROW_BY_ROW,
 
 __all__ = ["AttentionMetadata", "CHAIN_HEAD_DIMS", "Decoder", "EMBED_CACHE_ROWS", "MAX_ROW_BY_ROW", "NativeLayers",
            "ROW_MULTIPLE", "ReferenceLayers", "Rotary", "attention_mask", "linear", "nbytes", "pass_trees", "rms_norm",
-           "tree_paths", "_bmm_rows", "_pad_rows"]
+           "tree_paths", "tree_paths_from_parents", "_bmm_rows", "_pad_rows"]

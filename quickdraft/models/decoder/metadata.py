@@ -21,6 +21,10 @@ class AttentionMetadata:
     # pass wrote: a draft grows its tree a level a pass), then the new tokens. The cached tokens
     # before those are always visible.
     masks: list[torch.Tensor | None] | None = None
+    # [batch] the same trees in the kernels' form, (start, path) as tree_paths gives them, where
+    # the caller built them straight from the parents (tree_paths_from_parents); None (for the
+    # batch or a sequence): read from the mask
+    paths: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     @classmethod
     def chain(cls, slots, context_lens, query_lens) -> "AttentionMetadata":
@@ -36,6 +40,11 @@ class AttentionMetadata:
         """Sequence i's tree mask, or None for a chain."""
         return self.masks[i] if self.masks is not None else None
 
+    def tree_path(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence i's tree (it has one) as the kernels take it: (start [qlen + 1], path)."""
+        given = self.paths[i] if self.paths is not None else None
+        return given if given is not None else tree_paths(self.mask(i))
+
 
 def tree_paths(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A token tree's mask [qlen, hidden + qlen] -> (start [qlen + 1], path): row j's visible tree
@@ -46,10 +55,28 @@ def tree_paths(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]), cols.long()
 
 
+def tree_paths_from_parents(num_pending: int, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tree_paths of the mask that ``num_pending`` tokens in a causal chain followed by the tree
+    ``parents`` (node i's parent < i, or -1: the last pending token) give, with no hidden tokens,
+    built from the parents: row j < p sees pending tokens 0..j; node i the pending tokens, its
+    ancestors (each before its children) and itself."""
+    p = num_pending
+    start, path, ancestry = [0], [], []  # ancestry[i]: node i's path of nodes, root-first
+    for j in range(p):
+        path += range(j + 1)
+        start.append(len(path))
+    for i, parent in enumerate(parents):
+        ancestry.append((ancestry[parent] if parent >= 0 else []) + [p + i])
+        path += range(p)
+        path += ancestry[i]
+        start.append(len(path))
+    return torch.tensor(start, dtype=torch.long), torch.tensor(path, dtype=torch.long)
+
+
 def pass_trees(meta: AttentionMetadata) -> tuple[list, list]:
     """Each sequence's token tree as tree_paths gives it, (starts, paths) a list each with None for
     a chain: computed once a pass, not once a layer."""
-    paths = [tree_paths(m) if m is not None else (None, None) for m in (meta.mask(i) for i in range(len(meta.slots)))]
+    paths = [meta.tree_path(i) if meta.mask(i) is not None else (None, None) for i in range(len(meta.slots))]
     return [p[0] for p in paths], [p[1] for p in paths]
 
 

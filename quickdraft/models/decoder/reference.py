@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from quickdraft.models.kv_cache import KVCache
-from quickdraft.models.decoder.metadata import AttentionMetadata, attention_mask, tree_paths, windowed_mask
+from quickdraft.models.decoder.metadata import AttentionMetadata, attention_mask, windowed_mask
 from quickdraft.models.decoder.ops import _bmm_rows, act_mul, linear, rms_norm
 from quickdraft.kernels import chain_attention, tree_attention
 
@@ -105,7 +105,7 @@ class ReferenceLayers:
             keys, values = kv.read(layer, slot, ctx + qlen)  # [kv_heads, L, d]
             tree = meta.mask(i) is not None
             if tree and kernel is not None:  # each row over its own path, as a chain (kernels/attention.cpp)
-                start_idx, path = tree_paths(meta.mask(i))
+                start_idx, path = meta.tree_path(i)
                 out.append(tree_attention()(q[start:end].float(), keys, values, ctx, start_idx, path, self.scale, window))
             elif kernel is not None and not tree:  # each row over its own keys, one call (kernels/attention.cpp)
                 out.append(kernel(q[start:end].float(), keys, values, ctx, self.scale, window))
