@@ -110,6 +110,60 @@ def test_only_the_bench_imports_the_bench():
             assert not up, f"{module} imports {up}"
 
 
+# The layers, each with the layers it may import besides itself and "base" (errors, version),
+# lowest first: a module's layer is its package under quickdraft/ (PACKAGES), or for a module at
+# the root, its entry in ROOT_MODULES. "commands" may import anything; nothing imports it.
+ALLOWED = {
+    "base": set(),
+    "kernels": set(),  # the native layer: nothing of quickdraft
+    "models": {"kernels"},
+    "sampling": {"kernels"},  # logits -> probabilities, grammars' masks
+    "verify": {"sampling", "kernels"},
+    "cost": {"models", "kernels"},  # the pass-cost model (planned: engine/)
+    "config": set(),
+    "proposers": {"verify", "sampling", "models", "kernels", "cost", "config"},
+    "engine": {"proposers", "verify", "sampling", "models", "kernels", "cost", "config"},
+    "api": {"engine", "proposers", "verify", "sampling", "models", "kernels", "cost", "config"},
+    "arguments": {"models", "config"},  # the flags the commands and the server share
+    "server": {"api", "arguments", "engine", "proposers", "verify", "sampling", "models", "kernels", "cost", "config"},
+    "commands": None,  # anything
+}
+PACKAGES = {"kernels": "kernels", "models": "models", "verify": "verify", "proposers": "proposers", "engine": "engine",
+            "server": "server", "deploy": "server", "commands": "commands", "bench": "commands", "train": "commands"}
+ROOT_MODULES = {
+    "quickdraft": "api", "quickdraft.llm": "api", "quickdraft.errors": "base", "quickdraft.version": "base",
+    "quickdraft.config": "config", "quickdraft.sampling": "sampling", "quickdraft.structured": "sampling",
+    "quickdraft.cost": "cost", "quickdraft.arguments": "arguments",
+    # what the commands and the bench share (data sets, statistics, measurements, report tables)
+    "quickdraft.datasets": "commands", "quickdraft.stats": "commands", "quickdraft.measure": "commands",
+    "quickdraft.report_format": "commands",
+    "quickdraft.cli": "commands", "quickdraft.__main__": "commands", "quickdraft.demo": "commands",
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in PACKAGES):
+        return PACKAGES[parts[1]]
+    assert module in ROOT_MODULES, f"{module}: a module at the package root; give it a layer in ROOT_MODULES"
+    return ROOT_MODULES[module]
+
+
+def test_every_layer_imports_only_the_layers_below_it():
+    """The folder tree is the layering: commands -> server -> api -> engine -> proposers -> verify,
+    models -> kernels (ALLOWED says exactly which), checked on every import, lazy ones included."""
+    assert all(set(v or ()) <= set(ALLOWED) for v in ALLOWED.values())
+    wrong = []
+    for module, deps in _graph().items():
+        layer = _layer(module)
+        allowed = ALLOWED[layer]
+        if allowed is None:
+            continue
+        wrong += [f"{module} ({layer}) imports {d} ({_layer(d)})" for d in sorted(deps)
+                  if _layer(d) not in allowed | {layer, "base"}]
+    assert not wrong, "\n".join(wrong)
+
+
 def _loaded_after(code: str) -> set[str]:
     script = code + "\nimport json, sys\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('quickdraft'))))"
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
