@@ -278,7 +278,7 @@ def test_prefix_caching_reuses_the_heads_cache(trained, monkeypatch):
     """With the prefix cache on, each request reuses its prefix, and the head drafts from exactly
     the context it has with the cache off. Where the head's rows go past the shared prefix (e, f,
     h), the row of the prefix's last token is the target's to compute again (Eagle3Proposer.reuse)."""
-    from quickdraft.proposers.heads.common import eagle3
+    from quickdraft.proposers.heads import eagle3
 
     on, _ = same_with_the_cache_on_and_off({"method": "eagle3", "model": trained[0]}, eagle3, monkeypatch)
     a = on[0]

@@ -62,7 +62,7 @@ def test_prefix_caching_leaves_the_heads_drafts_as_they_are(trained, monkeypatch
     """The heads read only the last committed row's state, which the prompt pass over the uncached
     rows computes: with the prefix cache on, every request reuses its whole shared prefix and
     drafts exactly what it drafts with the cache off."""
-    from quickdraft.proposers import medusa
+    from quickdraft.proposers.heads import medusa
 
     on, _ = same_with_the_cache_on_and_off({"method": "medusa", "model": trained[0]}, medusa, monkeypatch)
     a = on[0]
