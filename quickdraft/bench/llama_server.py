@@ -42,6 +42,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quickdraft.bench.peer_method import PeerMethod
+
 PEER = "llama_server"
 BINARY_ENV = "QUICKDRAFT_LLAMA_SERVER"
 SOURCE = "llama-cpp-python==0.3.36"  # the sdist whose vendor/llama.cpp `make llama-server` builds
@@ -237,8 +239,6 @@ def version(exe: str | Path) -> str:
 def llama_server_methods(exe: str | Path, target: str, draft: str | None, k: int, lookup_max: int, max_tokens: int,
                          eos: set[int], ignore_eos: bool, threads: int, n_ctx: int) -> tuple[list, list[Server]]:
     """One server a mode, each started and ready; their PeerMethods and the servers (to close)."""
-    from quickdraft.bench.peers import PeerMethod
-
     if Path(target).is_dir() or not str(target).endswith(".gguf"):
         raise ValueError("llama-server reads GGUF files only, and the target is not one")
     servers: list[Server] = []

@@ -43,17 +43,15 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from quickdraft import stats
 from quickdraft.bench.llama_server import parse_system_info
+from quickdraft.bench.peer_method import COUNTERPART, PeerMethod
 from quickdraft.bench.summary import ALL, groups
 
 PEERS = ("transformers", "llama_cpp", "llama_server")
-COUNTERPART = {"plain": "none", "assisted": "draft_model", "prompt_lookup": "ngram", "draft": "draft_model",
-               "ngram_simple": "ngram", "ngram_map_k": "ngram", "ngram_mod": "ngram", "ngram_cache": "ngram"}
 LLAMA_CPP_PEERS = ("llama_cpp", "llama_server")  # the peers that are llama.cpp
 # peer -> "module:function" that builds its methods in the child (tests add fakes here)
 FACTORIES = {"transformers": "quickdraft.bench.peers:transformers_peer",
@@ -66,22 +64,6 @@ INSTALL = {"transformers": "pip install 'quickdraft[peers]', or transformers acc
            "llama_server": "make llama-server, or $QUICKDRAFT_LLAMA_SERVER"}
 DEFAULT_TIMEOUT_S = 1800.0
 
-
-@dataclass
-class PeerMethod:
-    peer: str  # "transformers" | "llama_cpp" | "llama_server"
-    method: str  # a key of COUNTERPART: "plain" | "assisted" | "prompt_lookup" | "draft" | "ngram_.."
-    settings: dict
-    generate: Callable[[list[int]], dict]  # prompt ids -> token_ids, timing
-
-    @property
-    def name(self) -> str:
-        k = self.settings.get("k")
-        return f"{self.peer} {self.method}" + (f" K={k}" if k else "")
-
-    def info(self) -> dict:
-        return {"name": self.name, "peer": self.peer, "method": self.method, "settings": self.settings,
-                "counterpart_method": COUNTERPART[self.method]}
 
 
 def _timing(ids_out: list[int], start: float, first: float | None, end: float) -> dict:

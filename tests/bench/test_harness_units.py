@@ -203,4 +203,4 @@ def test_standard_suite_resolves():
     args = _args(suite="standard")
     c = bench_cli.build_config(bench_cli.resolve(args), args)
     assert c.limit == {"humaneval": 4, "mtbench": 8}
-    assert len(c.variants) == 1 + 2 * 4 and c.peers == ["transformers", "llama_cpp"]
+    assert len(c.variants) == 1 + 2 * 4 and c.peers == ["transformers", "llama_cpp", "llama_server"]
