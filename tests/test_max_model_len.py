@@ -100,3 +100,20 @@ def parse(*argv):
     from quickdraft.commands.cli import build_parser, parse as cli_parse
 
     return resolve_model_args(cli_parse(build_parser(), list(argv)))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_on_a_cpu_the_cache_is_resident_only_as_it_fills():
+    """A 1 GiB cache costs no resident memory until positions are written, and a sequence's reads
+    (``KVCache.read``) stop at its own length, so what was never written is never read."""
+    config = tiny_config("llama", vocab_size=64, hidden_size=512, num_layers=8, max_positions=65536)
+    before = _rss()
+    kv = KVCache(config, num_slots=2, max_len=32768, dtype=torch.float32)
+    total = sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+    assert total >= GiB and _rss() - before < total // 8
+    keys, values = kv.read(0, 1, 5)
+    assert keys.shape[1] == values.shape[1] == 5
