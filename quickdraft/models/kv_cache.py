@@ -43,8 +43,9 @@ class KVCache:
         # are written, and resident memory follows the tokens held, not max_len (a 1.5B model's
         # 9,216 positions for 8 sequences: 4 GiB zeroed up front before). On CUDA a graph reads a
         # batch's keys up to its longest sequence under a mask (graphs.py), where an uninitialized
-        # NaN times a zero probability would spoil a row: there the cache is zeroed.
-        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        # NaN times a zero probability would spoil a row: there, and wherever a graph's spare slot
+        # is kept, the cache is zeroed.
+        alloc = torch.empty if torch.device(device).type == "cpu" and not spare_slot else torch.zeros
         self.keys = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.values = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.num_slots = num_slots

@@ -37,6 +37,8 @@ def _pass(meta: AttentionMetadata, seed: int) -> tuple[torch.Tensor, torch.Tenso
 def _prefilled(model: Decoder, num_slots: int, contexts: list[int], spare: bool) -> KVCache:
     """A cache whose slots hold ``contexts[i]`` tokens each, written by the reference pass."""
     kv = KVCache(CONFIG, num_slots, 64, model.dtype, model.device, spare_slot=spare)
+    for t in kv.keys + kv.values:  # the caches are compared whole, unwritten positions included
+        t.zero_()
     meta = AttentionMetadata.chain(list(range(len(contexts))), [0] * len(contexts), contexts)
     tokens, positions = _pass(meta, seed=0)
     model.forward(tokens.to(model.device), positions.to(model.device), kv, meta)
