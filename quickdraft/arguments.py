@@ -130,7 +130,7 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = True, shorthan
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens a sequence may hold, prompt and output (default: the model's context length, less "
                         "where the KV cache of --max-num-seqs sequences, allocated up front, would not fit in the "
-                        "memory free after the weights, or on a CPU in 4 GiB; one line says which). More than the model's context, or "
+                        "memory free after the weights, or on a CPU in 4 GiB (QUICKDRAFT_CPU_KV_SPACE); one line says which). More than the model's context, or "
                         "than the memory holds, is an error" if max_model_len is None else
                         f"tokens a sequence may hold, prompt and output (default: {max_model_len})")
     add_switch(p, "--enforce-eager",

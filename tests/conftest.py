@@ -18,7 +18,13 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
-from quickdraft.errors import ModelNotInstalledError
+# The suite keeps many engines alive in one process (module fixtures), each with a KV cache
+# allocated whole and zeroed: with the default CPU KV space (4 GiB an engine) it outgrew this
+# machine's 24 GiB. Its prompts are short: 0.75 GiB an engine is about the 4096 tokens SmolLM2's
+# 8 sequences had before the default became the model's context. Tests of the default unset it.
+os.environ.setdefault("QUICKDRAFT_CPU_KV_SPACE", "0.75")
+
+from quickdraft.errors import ModelNotInstalledError  # noqa: E402
 from quickdraft.models import registry
 from quickdraft.models.gguf import _torch_shape, open_gguf, read_metadata
 from quickdraft.models.tokenizer import Tokenizer, _byte_alphabet

@@ -9,7 +9,8 @@ import torch
 
 from quickdraft import llm as llm_module
 from quickdraft.errors import ConfigError
-from quickdraft.models.kv_cache import DEFAULT_CPU_KV_BYTES, HEADROOM_MIN_BYTES, KVCache, fit_max_model_len
+from quickdraft.models.kv_cache import (CPU_KV_SPACE_ENV, DEFAULT_CPU_KV_BYTES, HEADROOM_MIN_BYTES, KVCache,
+                                         fit_max_model_len)
 from quickdraft.llm import LLM
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
@@ -46,18 +47,25 @@ def test_the_default_fits_the_kv_cache_in_the_memory_left(monkeypatch):
     assert fit_max_model_len(CONFIG, None, 2, torch.float32, free=HEADROOM_MIN_BYTES + 2**20)[0] == 2 * fits // 256 * 256
 
 
-def test_on_a_cpu_the_default_stays_within_the_default_kv_space():
+def test_on_a_cpu_the_default_stays_within_the_default_kv_space(monkeypatch):
     """A context that would need more than the default KV space on a CPU (a 32k-token model for 8
     sequences: 7.5 GB, zeroed) is cut to what fits in it, however much memory is free; a length
-    given is not cut."""
+    given is not cut; QUICKDRAFT_CPU_KV_SPACE sets another space."""
+    monkeypatch.delenv(CPU_KV_SPACE_ENV, raising=False)  # the suite's own (tests/conftest.py)
     big = tiny_config("llama", vocab_size=64, hidden_size=1536, num_layers=28, max_positions=32768)
     per_position = KVCache.bytes_per_token(big, torch.bfloat16) * 8
     assert per_position * 32768 > DEFAULT_CPU_KV_BYTES
     length, why = fit_max_model_len(big, None, 8, torch.bfloat16, free=64 * GiB)
-    assert length == DEFAULT_CPU_KV_BYTES // per_position // 256 * 256 and "the default KV space, 4.0 GiB" in why
+    assert length == DEFAULT_CPU_KV_BYTES // per_position // 256 * 256 and "the CPU KV space, 4.0 GiB" in why
     assert fit_max_model_len(big, None, 8, torch.bfloat16, free=None)[0] == length
     assert fit_max_model_len(big, 32768, 8, torch.bfloat16, free=64 * GiB)[0] == 32768
     assert fit_max_model_len(big, None, 8, torch.bfloat16, device="cuda", free=64 * GiB)[0] == 32768
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, "8")
+    length, why = fit_max_model_len(big, None, 8, torch.bfloat16, free=64 * GiB)
+    assert length == 8 * GiB // per_position // 256 * 256 and "the CPU KV space, 8.0 GiB" in why
+    monkeypatch.setenv(CPU_KV_SPACE_ENV, "lots")
+    with pytest.raises(ConfigError, match="QUICKDRAFT_CPU_KV_SPACE must be a positive number of GiB"):
+        fit_max_model_len(big, None, 8, torch.bfloat16, free=64 * GiB)
 
 
 def test_no_memory_figure_means_the_models_context(monkeypatch):
@@ -101,19 +109,3 @@ def parse(*argv):
 
     return resolve_model_args(cli_parse(build_parser(), list(argv)))
 
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def test_on_a_cpu_the_cache_is_resident_only_as_it_fills():
-    """A 1 GiB cache costs no resident memory until positions are written, and a sequence's reads
-    (``KVCache.read``) stop at its own length, so what was never written is never read."""
-    config = tiny_config("llama", vocab_size=64, hidden_size=512, num_layers=8, max_positions=65536)
-    before = _rss()
-    kv = KVCache(config, num_slots=2, max_len=32768, dtype=torch.float32)
-    total = sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
-    assert total >= GiB and _rss() - before < total // 8
-    keys, values = kv.read(0, 1, 5)
-    assert keys.shape[1] == values.shape[1] == 5

@@ -9,6 +9,8 @@ nano-vllm's block manager). Nothing is ever copied or reallocated during decodin
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from quickdraft.errors import ConfigError
@@ -20,11 +22,26 @@ HEADROOM = 0.2
 HEADROOM_MIN_BYTES = 512 * 2**20
 LENGTH_STEP = 256  # a length chosen by memory is a multiple of this
 # On a CPU, the KV cache a default length may take, at most: the cache is allocated whole (every
-# slot's every position), resident as it fills, and all of it once every slot holds a full context:
-# a 1.5B model's 32,768-token context for 8 sequences is 7.5 GB, 12 GB with its draft's cache.
-# vLLM's CPU backend defaults its KV space to 4 GiB (VLLM_CPU_KVCACHE_SPACE) for the same reason;
-# so does this, and --max-model-len asks for more.
+# slot's every position) and zeroed, so a 1.5B model's 32,768-token context for 8 sequences took
+# 7.5 GB, 12 GB of resident memory with its draft's cache, most of it never used. vLLM's CPU backend
+# defaults its KV space to 4 GiB (VLLM_CPU_KVCACHE_SPACE) for the same reason; so does this, and
+# QUICKDRAFT_CPU_KV_SPACE (GiB) sets another, as --max-model-len asks for a length.
 DEFAULT_CPU_KV_BYTES = 4 * 2**30
+CPU_KV_SPACE_ENV = "QUICKDRAFT_CPU_KV_SPACE"
+
+
+def cpu_kv_space() -> int:
+    """Bytes a default length's KV cache may take on a CPU: QUICKDRAFT_CPU_KV_SPACE GiB, else 4 GiB."""
+    raw = os.environ.get(CPU_KV_SPACE_ENV)
+    if raw is None:
+        return DEFAULT_CPU_KV_BYTES
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ConfigError(f"{CPU_KV_SPACE_ENV} must be a positive number of GiB, got {raw!r}", CPU_KV_SPACE_ENV)
+    return int(gib * 2**30)
 
 
 class KVCache:
@@ -37,17 +54,8 @@ class KVCache:
         if spare_slot is None:
             spare_slot = torch.device(device).type == "cuda"
         shape = (num_slots + int(spare_slot), config.num_kv_heads, max_len, config.head_dim)
-        # On a CPU every read of the cache stops at its sequence's own length (``read``; the native
-        # kernels take the lengths), as the rejected drafts' keys left past it already require. So
-        # the cache is not zeroed there: the pages the OS hands out are touched only as positions
-        # are written, and resident memory follows the tokens held, not max_len (a 1.5B model's
-        # 9,216 positions for 8 sequences: 4 GiB zeroed up front before). On CUDA a graph reads a
-        # batch's keys up to its longest sequence under a mask (graphs.py), where an uninitialized
-        # NaN times a zero probability would spoil a row: there, and wherever a graph's spare slot
-        # is kept, the cache is zeroed.
-        alloc = torch.empty if torch.device(device).type == "cpu" and not spare_slot else torch.zeros
-        self.keys = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.num_slots = num_slots
         self.spare_slot = num_slots if spare_slot else None
         self.max_len = max_len
@@ -123,8 +131,9 @@ def fit_max_model_len(config: ModelConfig, requested: int | None, num_slots: int
     budget = None if free is None else max(0, free - max(HEADROOM_MIN_BYTES, int(free * HEADROOM)))
     fits = None if budget is None else budget // per_position
     space = f"{_size(budget)} free after the weights" if budget is not None else ""
-    if requested is None and torch.device(device).type == "cpu" and (budget is None or budget > DEFAULT_CPU_KV_BYTES):
-        budget, space = DEFAULT_CPU_KV_BYTES, f"the default KV space, {_size(DEFAULT_CPU_KV_BYTES)}"
+    kv_space = cpu_kv_space() if requested is None and torch.device(device).type == "cpu" else None
+    if kv_space is not None and (budget is None or budget > kv_space):
+        budget, space = kv_space, f"the CPU KV space, {_size(kv_space)}"
         fits = budget // per_position
     if requested is not None:
         if requested > context:
