@@ -123,7 +123,7 @@ class LinearCost:
 
     def scaled(self, factor: float) -> "LinearCost":
         """A model whose calibration points cost ``factor`` times this one's, with no timed passes
-        yet: where a pass reads a share of this model (layer skipping's draft, proposers/layer_skip.py)."""
+        yet: where a pass reads a share of this model (layer skipping's draft, proposers/draft/layer_skip.py)."""
         return LinearCost([(rows, chains, keys, seconds * factor) for _, rows, _, chains, keys, seconds in self._anchors])
 
     def observe(self, rows: int, seconds: float, chains: int = 1, keys: int = 0) -> None:

@@ -178,7 +178,7 @@ class _Api:
 
     async def version(self) -> dict:
         """The version, and whether speculative output equals plain output bit for bit here (see
-        models/kernels: true on quickdraft's CPU kernels, false on cuBLAS or the torch fallback), with
+        quickdraft/kernels: true on quickdraft's CPU kernels, false on cuBLAS or the torch fallback), with
         the instruction set the CPU kernels run (``batch_invariance.kernels``)."""
         return {"version": __version__, "batch_invariance": self.engine.engine.decoder.batch_invariance.to_dict()}
 
