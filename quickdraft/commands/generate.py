@@ -36,7 +36,8 @@ def generate(args) -> int:
     llm = LLM(args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=1, quantization=args.quantization,
               enforce_eager=args.enforce_eager)
-    print(f"quickdraft: {llm.max_model_len_reason}", file=sys.stderr)
+    if args.max_model_len is None:  # a length chosen here is said, with why; a length given needs no word
+        print(f"quickdraft: {llm.max_model_len_reason}", file=sys.stderr)
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     with llm:
