@@ -32,8 +32,9 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -602,10 +603,11 @@ class SpeculationSwitch:
             return False
         return m.rate(False) is None or m.rate(True) >= m.rate(False)
 
-    def speculate(self, batch: int, plain_estimate: float | None = None) -> bool:
+    def speculate(self, batch: int, plain_estimate: "Callable[[], float] | None" = None) -> bool:
         """Whether this decoding step of ``batch`` sequences speculates (the step is then
         ``record``ed). ``plain_estimate``: the tokens per second the cost model predicts for a plain
-        step of this batch, which decides whether plain decoding is worth a probe."""
+        step of this batch, which decides whether plain decoding is worth a probe (called only
+        when a probe is due, not every step)."""
         m = self._mode(batch)
         if m.probe_left:
             return not m.on
@@ -614,7 +616,7 @@ class SpeculationSwitch:
             return m.on
         if m.on:
             rate = m.rate(True)
-            doubtful = rate is not None and (plain_estimate is None or rate < self.margin * plain_estimate)
+            doubtful = rate is not None and (plain_estimate is None or rate < self.margin * plain_estimate())
             if not doubtful:
                 return True
         m.start_probe(self.run)
@@ -666,12 +668,9 @@ class _BatchMode:
     since: int = 0  # decoding steps since the last probe
     probe_left: int = 0  # steps left in a probe of the other mode
     skip: bool = False  # the next step is the first of a run: not measured
-    probe: list = None  # [tokens, seconds] of the probe under way
-    tokens: dict = None
-    seconds: dict = None
-
-    def __post_init__(self):
-        self.tokens, self.seconds, self.probe = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}, [0.0, 0.0]
+    probe: list = field(default_factory=lambda: [0.0, 0.0])  # [tokens, seconds] of the probe under way
+    tokens: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})  # decayed, by mode (speculating?)
+    seconds: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
 
     def rate(self, mode: bool) -> float | None:
         return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] > 0 else None

@@ -9,28 +9,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.sequence import RequestOutput
 from quickdraft.engine.threads import set_threads
-from quickdraft.models.kv_cache import fit_max_model_len, free_memory
-from quickdraft.models.loader import LoadedModel, load_model
+from quickdraft.models.loader import LoadedModel
 from quickdraft.sampling import SamplingParams
 
 
 def build_engine(config: EngineConfig, target: LoadedModel | None = None) -> tuple[Engine, str]:
-    """The engine for ``config`` (its target loaded here where not given), and one line saying the
-    max model len it runs at and why: ``config.max_model_len`` where the model's context and the
-    memory left after the weights hold it (else an error), None: the most of the model's context that
-    the KV cache of ``max_num_seqs`` sequences fits in (kv_cache.py's ``fit_max_model_len``)."""
-    if target is None:
-        target = load_model(config.model, dtype=config.torch_dtype, device=config.device,
-                            quantization=config.quantization)
-    length, why = fit_max_model_len(target.config, config.max_model_len, config.max_num_seqs, config.torch_dtype,
-                                    config.device, free_memory(config.device))
-    return Engine(dataclasses.replace(config, max_model_len=length), target=target), why
+    """The engine for ``config``, and the line saying the max model len it runs at and why
+    (``Engine.max_model_len_reason``)."""
+    engine = Engine(config, target=target)
+    return engine, engine.max_model_len_reason
 
 
 class LLM:

@@ -287,7 +287,7 @@ def _drive(switch: SpeculationSwitch, batch: int, rates: dict[bool, float], step
     rates[True] a second and a plain one at rates[False]; the modes the switch chose."""
     modes = []
     for _ in range(steps):
-        on = switch.speculate(batch, plain_estimate if plain_estimate is not None else rates[False])
+        on = switch.speculate(batch, lambda: plain_estimate if plain_estimate is not None else rates[False])
         modes.append(on)
         switch.record(batch, on, 10, 10 / rates[on])
     return modes
@@ -328,7 +328,7 @@ def test_the_switch_does_not_measure_a_runs_first_step():
     assert not switch.preferred(2)
     modes = []
     for _ in range(300):  # speculation now pays, but each run's first step costs 10x
-        on = switch.speculate(2, 60.0)
+        on = switch.speculate(2, lambda: 60.0)
         first = bool(modes) and on != modes[-1]
         modes.append(on)
         switch.record(2, on, 10, 10 / (90.0 if on else 60.0) * (10 if first and on else 1))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft import llm as llm_module
+from quickdraft.engine import engine as engine_module
 from quickdraft.errors import ConfigError
 from quickdraft.models.kv_cache import (CPU_KV_SPACE_ENV, DEFAULT_CPU_KV_BYTES, HEADROOM_MIN_BYTES, KVCache,
                                          fit_max_model_len)
@@ -23,7 +23,7 @@ GiB = 2**30
 
 
 def free(monkeypatch, n: int | None) -> None:
-    monkeypatch.setattr(llm_module, "free_memory", lambda device="cpu": n)
+    monkeypatch.setattr(engine_module, "free_memory", lambda device="cpu": n)
 
 
 def test_the_default_is_the_models_context_not_4096(monkeypatch):
@@ -97,7 +97,7 @@ def test_the_cli_says_what_it_chose(monkeypatch, capsys):
     from quickdraft.commands import generate
 
     free(monkeypatch, 16 * GiB)
-    monkeypatch.setattr(llm_module, "load_model", lambda *a, **kw: TINY)
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **kw: TINY)
     with pytest.raises(AttributeError):  # the tiny model has no tokenizer: the line is printed before it is used
         generate.generate(parse("generate", "tiny", "hello"))
     assert "quickdraft: max model len 8192 (the model's context)" in capsys.readouterr().err

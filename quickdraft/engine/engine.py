@@ -24,7 +24,7 @@ from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
 from quickdraft.engine.stops import StopRules
 from quickdraft.engine.threads import governor
 from quickdraft.errors import ConfigError, PromptTooLongError
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.kv_cache import KVCache, fit_max_model_len, free_memory
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.ggml import on_blocks
 from quickdraft.models.loader import LoadedModel, load_model
@@ -32,7 +32,6 @@ from quickdraft.proposers.base import ProposerContext, create_proposer
 from quickdraft.sampling import SamplingParams, make_generator
 from quickdraft.structured import GrammarCompiler
 
-DEFAULT_MAX_MODEL_LEN = 4096
 PROBE_ACCEPTANCE = 0.8  # the acceptance rate a probe is planned with (adaptive K)
 PROBE_CATCHUP = 16  # the most tokens a draft may have to read first for a sequence a probe forces
 MAX_FORCED_DRAFT = 16  # a grammar's forced tokens proposed in one step (structured.py)
@@ -49,8 +48,12 @@ class Engine:
         self.model = target if target is not None else load(config.model)
         self.tokenizer = self.model.tokenizer
         self.decoder = Decoder(self.model.config, self.model.weights, cuda_graphs=not config.enforce_eager)
-        ctx_len = self.model.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or min(ctx_len, DEFAULT_MAX_MODEL_LEN), ctx_len)
+        # the length a sequence may hold, and one line saying why (models/kv_cache.py): the one given
+        # where the model's context and the memory left after the weights hold it, else an error;
+        # by default the model's context, less where the KV cache would not fit
+        self.max_model_len, self.max_model_len_reason = fit_max_model_len(
+            self.model.config, config.max_model_len, config.max_num_seqs, dtype, config.device,
+            free_memory(config.device))
         self.kv = KVCache(self.model.config, config.max_num_seqs, self.max_model_len, dtype, config.device)
         ctx = ProposerContext(
             target=self.model, dtype=dtype, device=config.device, num_slots=config.max_num_seqs,
@@ -132,7 +135,7 @@ class Engine:
         started = time.perf_counter()
         # a decoding step (no prompt in it) is one the speculation switch chooses for and measures
         decoding = self.switch is not None and self._speculating(seqs) and all(s.num_pending == 1 for s in seqs)
-        speculate = self.switch.speculate(len(seqs), self._plain_rate(seqs)) if decoding else self._switched_on(seqs)
+        speculate = self.switch.speculate(len(seqs), lambda: self._plain_rate(seqs)) if decoding else self._switched_on(seqs)
         self._draft_reads_prompts(seqs)
         ks = self._num_draft(seqs) if speculate else [0] * len(seqs)
         results = self.runner.step(seqs, ks, self._forced_room(seqs))

@@ -258,7 +258,7 @@ def test_a_batch_size_the_switch_turned_off_decodes_plainly_and_reads_no_prompts
     switch = engine.switch
     for _ in range(40):  # batches of 2 and more measured slower speculating than decoding plainly
         for batch in (2, 3):
-            on = switch.speculate(batch, 100.0)
+            on = switch.speculate(batch, lambda: 100.0)
             switch.record(batch, on, batch * (1 if on else 2), 1.0)
     assert not switch.preferred(2) and not switch.preferred(3) and switch.preferred(1)
     switch.speculate = lambda batch, estimate: switch.preferred(batch)  # no probes during the test
