@@ -17,7 +17,7 @@ import time
 
 def child(model: str, spec: str | None, concurrency: int, prompts: int, max_tokens: int) -> None:
     from quickdraft import LLM, SamplingParams
-    from quickdraft.datasets import humaneval
+    from quickdraft.evaluation.datasets import humaneval
 
     llm = LLM(model, speculative_config=json.loads(spec) if spec else None, max_num_seqs=concurrency)
     texts = [p.prompt for p in humaneval(prompts)]

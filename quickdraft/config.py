@@ -37,7 +37,7 @@ class SpeculativeConfig:
     # many children, best-first by path probability (both at most num_speculative_tokens nodes);
     # draft_model, eagle3 and medusa grow greedy requests' trees EAGLE-2's way, this many nodes expanded a
     # level and this many children each, num_speculative_tokens deep, the best num_speculative_tokens
-    # x this many nodes kept, and with adaptive on, only those whose rows pay (quickdraft/cost.py). 1: chains
+    # x this many nodes kept, and with adaptive on, only those whose rows pay (engine/plan.py). 1: chains
     num_branches: int = 1
     # draft_model, layer_skip, eagle3: stop drafting for a sequence once the draft's own probability of its token
     # falls below this (a dynamic draft length, like HF's assistant_confidence_threshold). The
@@ -101,7 +101,7 @@ class SpeculativeConfig:
     suffix_decoding_cache_path: str | None = None
     # Choose each sequence's K every step, up to num_speculative_tokens, to maximize expected
     # tokens per second from a cost model the engine calibrates at start-up and refits as it runs
-    # (quickdraft/cost.py): a sequence whose drafts keep failing decodes plainly, and a batch large
+    # (engine/plan.py): a sequence whose drafts keep failing decodes plainly, and a batch large
     # enough that verification rows are dear drafts less or not at all. False: always K.
     adaptive: bool = True
     # adaptive: a sequence left without drafts this many steps is planned again as if its

@@ -1,4 +1,4 @@
-"""The cost model and the K planner (quickdraft/cost.py), on hand-made costs: no model, no clock."""
+"""The cost model and the K planner (models/pass_cost.py, engine/plan.py), on hand-made costs: no model, no clock."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from quickdraft.cost import (ANCHOR_WEIGHT, KNEE, RECENT, Acceptance, LinearCost, SpeculationSwitch, expected_tokens,
-                             plan_draft_lengths, step_rate)
+from quickdraft.engine.plan import Acceptance, SpeculationSwitch, plan_draft_lengths, step_rate
+from quickdraft.models.pass_cost import ANCHOR_WEIGHT, KNEE, RECENT, LinearCost
+from quickdraft.verify import expected_tokens
 
 
 def test_linear_cost_fits_its_points_and_follows_what_it_observes():
@@ -179,7 +180,7 @@ def test_calibration_runs_once_per_machine_and_model(monkeypatch, tmp_cache):
     the same CPU, shapes, formats and kernels. Another shape is timed anew."""
     import torch
 
-    from quickdraft import cost
+    from quickdraft.models import pass_cost as cost
     from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.tiny import random_weights, tiny_config
@@ -209,7 +210,7 @@ def test_a_calibration_timed_on_a_busy_machine_is_not_cached(monkeypatch, tmp_ca
     to the cache: a later process times them again (a cached slow calibration priced drafts out)."""
     import torch
 
-    from quickdraft import cost
+    from quickdraft.models import pass_cost as cost
     from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
     from quickdraft.models.tiny import random_weights, tiny_config
@@ -230,7 +231,7 @@ def test_a_calibration_timed_on_a_busy_machine_is_not_cached(monkeypatch, tmp_ca
 
 
 def test_others_share_counts_what_this_process_did_not_use():
-    from quickdraft.cost import others_share
+    from quickdraft.models.pass_cost import others_share
 
     # (machine busy s, machine total s, this process's CPU s): 4 s of 8 busy, 1 of them ours
     assert others_share((10.0, 100.0, 2.0), (14.0, 108.0, 3.0)) == 3.0 / 8.0
@@ -246,7 +247,7 @@ def test_others_share_sees_a_busy_process():
     import sys
     import time
 
-    from quickdraft.cost import cpu_sample, others_share
+    from quickdraft.models.pass_cost import cpu_sample, others_share
 
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     try:
@@ -263,7 +264,7 @@ def test_the_condition_bound_holds_and_the_solve_is_numpys():
     """cost._solve trusts a system where n * trace(inverse) < NEAR_SINGULAR: that bounds the
     condition number of a unit-diagonal SPD matrix from above, so no system numpy's eigenvalues
     would have refused is solved by Cholesky (the running fit's test holds its answers to lstsq's)."""
-    from quickdraft.cost import _cholesky, _lower_inverse
+    from quickdraft.models.pass_cost import _cholesky, _lower_inverse
 
     rng = np.random.default_rng(5)
     for n in range(2, 6):

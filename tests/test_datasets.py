@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from quickdraft import datasets
+from quickdraft.evaluation import datasets
 from quickdraft.errors import ConfigError
 
 

@@ -1,5 +1,5 @@
 """The package's layers: what a module imports, read from the source (no import circle; proposers
-look down to cost.py, never up to the engine) and from a fresh interpreter (a server replica
+look down to the pass costs in models/, never up to the engine) and from a fresh interpreter (a server replica
 loads no other command; the proposer registry loads only the method asked for)."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_no_import_circle():
     assert not circles, f"import circles: {[sorted(c) for c in circles]}"
 
 
-def test_proposers_look_down_to_the_cost_model_not_up_to_the_engine():
+def test_proposers_look_down_to_the_pass_costs_not_up_to_the_engine():
     graph = _graph()
     for module, deps in graph.items():
         if module.startswith("quickdraft.proposers."):
@@ -103,7 +103,8 @@ def test_nothing_below_the_commands_imports_them():
 
 def test_only_the_bench_imports_the_bench():
     """bench/ is a command (bench/cli.py, which commands/cli.py registers by name), not a library:
-    what it shares with other commands (data sets, statistics, report tables) lives below them."""
+    what it shares with other commands (data sets, statistics, report tables) lives below them, in
+    evaluation/."""
     for module, deps in _graph().items():
         if not module.startswith("quickdraft.bench"):
             up = sorted(d for d in deps if d.startswith("quickdraft.bench"))
@@ -119,24 +120,25 @@ ALLOWED = {
     "models": {"kernels"},
     "sampling": {"kernels"},  # logits -> probabilities, grammars' masks
     "verify": {"sampling", "kernels"},
-    "cost": {"models", "kernels"},  # the pass-cost model (planned: engine/)
     "config": set(),
-    "proposers": {"verify", "sampling", "models", "kernels", "cost", "config"},
-    "engine": {"proposers", "verify", "sampling", "models", "kernels", "cost", "config"},
-    "api": {"engine", "proposers", "verify", "sampling", "models", "kernels", "cost", "config"},
+    # models/pass_cost.py, what a pass costs, sits in models so that proposers, which time their
+    # own passes, share it; the plan that spends it is the engine's (engine/plan.py)
+    "proposers": {"verify", "sampling", "models", "kernels", "config"},
+    "engine": {"proposers", "verify", "sampling", "models", "kernels", "config"},
+    "api": {"engine", "proposers", "verify", "sampling", "models", "kernels", "config"},
     "arguments": {"models", "config"},  # the flags the commands and the server share
-    "server": {"api", "arguments", "engine", "proposers", "verify", "sampling", "models", "kernels", "cost", "config"},
+    "server": {"api", "arguments", "engine", "proposers", "verify", "sampling", "models", "kernels", "config"},
+    # what the commands and the bench share: prompt sets, statistics, measurements, report tables
+    "evaluation": {"sampling", "models", "kernels", "config"},
     "commands": None,  # anything
 }
 PACKAGES = {"kernels": "kernels", "models": "models", "verify": "verify", "proposers": "proposers", "engine": "engine",
-            "server": "server", "deploy": "server", "commands": "commands", "bench": "commands", "train": "commands"}
+            "server": "server", "deploy": "server", "evaluation": "evaluation", "commands": "commands",
+            "bench": "commands", "train": "commands"}
 ROOT_MODULES = {
     "quickdraft": "api", "quickdraft.llm": "api", "quickdraft.errors": "base", "quickdraft.version": "base",
     "quickdraft.config": "config", "quickdraft.sampling": "sampling", "quickdraft.structured": "sampling",
-    "quickdraft.cost": "cost", "quickdraft.arguments": "arguments",
-    # what the commands and the bench share (data sets, statistics, measurements, report tables)
-    "quickdraft.datasets": "commands", "quickdraft.stats": "commands", "quickdraft.measure": "commands",
-    "quickdraft.report_format": "commands",
+    "quickdraft.arguments": "arguments",
     "quickdraft.cli": "commands", "quickdraft.__main__": "commands", "quickdraft.demo": "commands",
 }
 
@@ -151,7 +153,8 @@ def _layer(module: str) -> str:
 
 def test_every_layer_imports_only_the_layers_below_it():
     """The folder tree is the layering: commands -> server -> api -> engine -> proposers -> verify,
-    models -> kernels (ALLOWED says exactly which), checked on every import, lazy ones included."""
+    models -> kernels, with evaluation/ under the commands (ALLOWED says exactly which), checked on
+    every import, lazy ones included."""
     assert all(set(v or ()) <= set(ALLOWED) for v in ALLOWED.values())
     wrong = []
     for module, deps in _graph().items():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from quickdraft.commands.cli import main
-from quickdraft.cost import LinearCost
+from quickdraft.models.pass_cost import LinearCost
 from quickdraft.commands.profile import predict
 from quickdraft.kernels import native_decoder
 

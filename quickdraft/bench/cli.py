@@ -194,7 +194,7 @@ def _configs(text: str | None) -> list[dict]:
 
 
 def build_config(settings: dict, args):
-    from quickdraft.datasets import BUILTIN
+    from quickdraft.evaluation.datasets import BUILTIN
     from quickdraft.bench.harness import BenchConfig, Variant, variants
     from quickdraft.bench.peers import PEERS
     from quickdraft.config import METHODS, SpeculativeConfig
@@ -263,7 +263,7 @@ def run(args) -> int:
     from quickdraft.bench import report
     from quickdraft.bench.harness import Harness
     from quickdraft.bench.summary import summarize
-    from quickdraft.measure import machine, versions
+    from quickdraft.evaluation.measure import machine, versions
 
     started = time.time()
     settings = resolve(args)

@@ -9,7 +9,7 @@ is an upper bound on plain decoding (KV-cache and activation reads, a few MB, ar
 ``none``'s tokens/s over it says how much of the machine the decoder uses. Speculative methods
 can pass it: one target pass reads the weights once and emits several tokens.
 
-The bandwidth is measured the way the decoder reads (quickdraft/measure.py's measure_bandwidth).
+The bandwidth is measured the way the decoder reads (quickdraft/evaluation/measure.py's measure_bandwidth).
 """
 
 from __future__ import annotations

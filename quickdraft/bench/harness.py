@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from quickdraft import datasets, stats
+from quickdraft.evaluation import datasets, stats
 from quickdraft.bench.floor import floor
 from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError
-from quickdraft.measure import RssSampler, measure_bandwidth, summarize, top2_margin
+from quickdraft.evaluation.measure import RssSampler, measure_bandwidth, summarize, top2_margin
 from quickdraft.models.config import activation_dtype
 from quickdraft.models.decoder import nbytes
 from quickdraft.models.loader import LoadedModel, load_model
@@ -45,7 +45,7 @@ class Variant:
     lookup_max: int | None = None  # ngram only
     lookup_min: int | None = None
     draft: str | None = None  # draft_model only: the draft's name or path
-    adaptive: bool = True  # K planned per step up to k (quickdraft/cost.py); False: always k
+    adaptive: bool = True  # K planned per step up to k (engine/plan.py); False: always k
     branches: int = 1  # ngram, suffix: > 1 drafts token trees of at most k nodes
     cross_tokenizer: bool = False  # draft_model: the draft proposes through text (proposers/draft_text.py)
     # any other keys of the speculative config, as (key, value) pairs (--speculative-config's

@@ -45,7 +45,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 def load_prompts(dataset: str, limit: int) -> list[dict]:
     """Request bodies (without model / max_tokens): HumanEval as completions, MT-Bench as chats."""
-    from quickdraft import datasets
+    from quickdraft.evaluation import datasets
 
     rows = datasets.load(dataset, limit)
     out = []

@@ -46,7 +46,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from quickdraft import stats
+from quickdraft.evaluation import stats
 from quickdraft.bench.llama_server import parse_system_info
 from quickdraft.bench.peer_method import COUNTERPART, PeerMethod
 from quickdraft.bench.summary import ALL, groups

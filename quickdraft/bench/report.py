@@ -11,7 +11,7 @@ from pathlib import Path
 
 from quickdraft.bench.peers import llama_cpp_best
 from quickdraft.bench.summary import ALL, best, top_dataset
-from quickdraft.report_format import clean, figure, md_table, text_table
+from quickdraft.evaluation.report_format import clean, figure, md_table, text_table
 
 PLOTS = {
     "speedup": "speedup_by_category.png",

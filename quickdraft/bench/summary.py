@@ -1,4 +1,4 @@
-"""Runs -> the figures of each variant x dataset x category (see stats.py for the terms).
+"""Runs -> the figures of each variant x dataset x category (see evaluation/stats.py for the terms).
 
 Groups: every (dataset, category), every dataset over all its categories ("all"), and, with
 several data sets, everything ("all", "all"). Speedups pair a variant's run with ``none``'s run of
@@ -7,7 +7,7 @@ the same request, seed and repeat.
 
 from __future__ import annotations
 
-from quickdraft import stats
+from quickdraft.evaluation import stats
 
 ALL = "all"
 

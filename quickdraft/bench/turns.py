@@ -100,7 +100,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from quickdraft import datasets
+    from quickdraft.evaluation import datasets
 
     args = parser().parse_args(argv)
     questions = [q for q in datasets.load("mtbench", args.num_prompts) if len(q.turns) >= 2]

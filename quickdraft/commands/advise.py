@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from quickdraft.arguments import add_dtype_arg, add_flag, add_model_positional, add_switch, numbers
 from quickdraft.engine.sequence import SpecStats
 from quickdraft.errors import ConfigError
-from quickdraft.stats import median
+from quickdraft.evaluation.stats import median
 
 BATCH_SIZES = (1, 4, 8)
 MIN_SPEEDUP = 1.10  # below this at batch 1 the gain is within this machine's noise: not worth a rollout
@@ -161,9 +161,9 @@ def memory(engine, context: int, batch: int, k: int) -> dict:
 
 def headroom(target_cost, k: int, batch: int, context: int) -> float | None:
     """What a verification pass of K + 1 rows a sequence costs over a plain decoding step of one
-    row a sequence, at ``batch`` sequences, by the engine's calibrated cost model (quickdraft/cost.py).
+    row a sequence, at ``batch`` sequences, by the engine's calibrated cost model (models/pass_cost.py).
     Near 1: verification is nearly free (memory-bound), the headroom speculation lives on."""
-    from quickdraft.cost import key_reads
+    from quickdraft.models.pass_cost import key_reads
 
     if target_cost is None:
         return None
@@ -225,7 +225,7 @@ def measure(model, prompts: list[list[int]], variants: list[Drafter], batches, p
     from tqdm import tqdm
 
     from quickdraft import LLM, SamplingParams
-    from quickdraft.measure import RssSampler
+    from quickdraft.evaluation.measure import RssSampler
 
     def engines():
         # Fresh engines for each batch size, warmed up on text of their own: no drafter may learn
@@ -332,7 +332,7 @@ def advise(args) -> int:
 
     from quickdraft import SamplingParams
     from quickdraft.commands.advise_report import write
-    from quickdraft import datasets
+    from quickdraft.evaluation import datasets
     from quickdraft.kernels import cpu_model
     from quickdraft.models.kv_cache import free_memory
     from quickdraft.models.loader import load_model

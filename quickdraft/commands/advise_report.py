@@ -1,5 +1,5 @@
 """The report of ``quickdraft advise`` (advise.py): markdown with its tables and plots, and the JSON
-of every figure. Its tables and plots are drawn by report_format.py, as the bench's are, so the two
+of every figure. Its tables and plots are drawn by evaluation/report_format.py, as the bench's are, so the two
 reports look alike."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quickdraft.report_format import clean, figure, md_table
+from quickdraft.evaluation.report_format import clean, figure, md_table
 
 MIB = 2**20
 
@@ -77,7 +77,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         f"{b}: {_mib(m['target_weights'])} MiB weights + {_mib(m['target_kv'])} MiB KV" for b, m in mem.items())
         + f" ({result['context_tokens']}-token contexts); measured peak RSS {base['peak_rss_mib']:.0f} MiB.", ""]
     lines += ["## Drafters at the planner's K", "",
-              f"K up to {result['k']}, chosen each step by the engine's adaptive planner (quickdraft/cost.py); "
+              f"K up to {result['k']}, chosen each step by the engine's adaptive planner (quickdraft/engine/plan.py); "
               "*drafted*: tokens a draft held on average (the planner's K, or fewer where the drafter found "
               "fewer); acceptance and tokens per target pass at batch 1; speedup is tokens/s over plain decoding "
               "at the same batch size, prompt passes included.", ""]

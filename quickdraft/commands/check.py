@@ -9,9 +9,9 @@ Three checks, each reported with the figures behind it:
 2. *greedy*: each prompt decoded plainly (method none, alone), and speculatively, all prompts in
    one batch as a server would run them. The tokens must be identical; at a divergence the check
    names the first diverging position and the target's margin between its top two logits there
-   (measure.py's top2_margin), so that a near-tie can be told from a wrong token.
+   (evaluation/measure.py's top2_margin), so that a near-tie can be told from a wrong token.
 3. *sampled*: a few prompts over many seeds at temperature > 0, plain and speculative, compared by
-   the per-position TV permutation test the bench uses too (stats.py), p values combined by Fisher's
+   the per-position TV permutation test the bench uses too (evaluation/stats.py), p values combined by Fisher's
    method. It fails when the combined p value is below ``--alpha``: a test of the output
    distribution, which rejection sampling must keep exactly.
 
@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from quickdraft.datasets import Prompt
+from quickdraft.evaluation.datasets import Prompt
 from quickdraft.models.ggml import on_blocks
 
 ALPHA = 0.001  # the sampled check fails below this combined p value
@@ -76,7 +76,7 @@ def check(args) -> int:
     from tqdm import tqdm
 
     from quickdraft import LLM
-    from quickdraft.datasets import render, user_jsonl
+    from quickdraft.evaluation.datasets import render, user_jsonl
     from quickdraft.config import EngineConfig, SpeculativeConfig
     from quickdraft.errors import ConfigError
     from quickdraft.models.loader import load_model
@@ -166,8 +166,8 @@ def probe_kernels(decoder) -> dict:
 
 def check_greedy(plain, speculative, decoder, prompts, ids, max_tokens: int, bar) -> dict:
     """Plain decoding of each prompt alone against speculative decoding of all of them at once."""
-    from quickdraft.measure import top2_margin
-    from quickdraft.stats import first_divergence
+    from quickdraft.evaluation.measure import top2_margin
+    from quickdraft.evaluation.stats import first_divergence
     from quickdraft.sampling import SamplingParams
 
     started = time.perf_counter()
@@ -196,7 +196,7 @@ def check_greedy(plain, speculative, decoder, prompts, ids, max_tokens: int, bar
 
 def check_sampled(plain, speculative, prompts, ids, args, bar) -> dict | None:
     """Per prompt: ``args.num_seeds`` samples plain and speculative, one TV permutation test."""
-    from quickdraft.stats import combine_tv, tv_test
+    from quickdraft.evaluation.stats import combine_tv, tv_test
     from quickdraft.sampling import SamplingParams
 
     if not prompts:

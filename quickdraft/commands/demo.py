@@ -8,9 +8,9 @@ import sys
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.datasets import humaneval
+from quickdraft.evaluation.datasets import humaneval
 from quickdraft.errors import QuickdraftError
-from quickdraft.measure import summarize
+from quickdraft.evaluation.measure import summarize
 from quickdraft.models.loader import load_model
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"

@@ -63,7 +63,7 @@ def register(sub) -> None:
 
 
 def default_text() -> str:
-    from quickdraft.datasets import mtbench
+    from quickdraft.evaluation.datasets import mtbench
 
     return "\n\n".join(turn for p in mtbench() for turn in p.turns)
 
@@ -159,7 +159,7 @@ def greedy(reference, tested, decoders: dict, peer, dtype: str, prompts: tuple[s
     (None: nowhere in ``n`` tokens), with the top-2 margins of quickdraft's path and of float32 at
     that position; ``decoders``: {"quickdraft": the tested model's Decoder, "float32": the reference's}."""
     from quickdraft import LLM, SamplingParams
-    from quickdraft.measure import top2_margin
+    from quickdraft.evaluation.measure import top2_margin
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     ids = [reference.tokenizer.encode(p) for p in prompts]

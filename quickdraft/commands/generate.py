@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 def generate(args) -> int:
     from quickdraft import LLM, SamplingParams
-    from quickdraft.measure import summarize
+    from quickdraft.evaluation.measure import summarize
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))

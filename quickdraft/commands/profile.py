@@ -1,12 +1,12 @@
 """``quickdraft profile``: when does speculation pay on this machine, for this pair of models?
 
 It times the target's pass (and the draft's, for ``draft_model``) by rows, as the engine does at
-start-up (quickdraft/cost.py), then asks the engine's own planner, for each batch size and each
+start-up (models/pass_cost.py), then asks the engine's own planner, for each batch size and each
 acceptance rate, which K it would choose and what speedup over plain decoding the cost model
 expects. The figures are predictions of the model from measured costs, not measured speedups:
 ``quickdraft bench`` and ``python -m quickdraft.bench.loadgen`` measure those.
 
-Before the plan it says where the time goes (quickdraft/measure.py): a one-row pass of the target
+Before the plan it says where the time goes (quickdraft/evaluation/measure.py): a one-row pass of the target
 and of the draft against its floor (its weight bytes over the memory bandwidth measured here),
 split into the layers' matrices, their attention, the rest of the layers, the rest of the pass
 and the output head; and the engine's own time a decoding step, outside the models' passes, for a
@@ -45,7 +45,7 @@ def register(sub) -> None:
 def predict(target, draft, k: int, batches, alphas, context: int = CONTEXT) -> list[dict]:
     """For each (batch, alpha): the planned K per sequence and the expected speedup over plain,
     for sequences ``context`` tokens long."""
-    from quickdraft.cost import plan_draft_lengths, step_rate
+    from quickdraft.engine.plan import plan_draft_lengths, step_rate
 
     rows = []
     for b in batches:
@@ -91,10 +91,10 @@ def profile(args) -> int:
 
 
 def split(engine) -> dict:
-    """Where the time goes on this machine (quickdraft/measure.py): a one-row pass of the target
+    """Where the time goes on this machine (quickdraft/evaluation/measure.py): a one-row pass of the target
     and of the draft model (where the method has one) against its floor, and the engine's own
     time a decoding step. Run before the engine holds any sequence: the passes use slot 0."""
-    from quickdraft.measure import chain_split, engine_split, last_level_cache_bytes, measure_bandwidth, pass_split
+    from quickdraft.evaluation.measure import chain_split, engine_split, last_level_cache_bytes, measure_bandwidth, pass_split
 
     bandwidth = measure_bandwidth()["bandwidth_bytes_per_s"]
     out = {"target": pass_split(engine.decoder, engine.kv, bandwidth, context=CONTEXT),
@@ -156,7 +156,7 @@ def _split_lines(split: dict) -> list[str]:
 
 
 def _table(result: dict, batches, alphas) -> str:
-    from quickdraft.cost import describe
+    from quickdraft.models.pass_cost import describe
 
     lines = [f"{name} pass: {describe(result[key])}" for name, key in (("target", "target_cost"), ("draft", "draft_cost"))
              if result[key]]

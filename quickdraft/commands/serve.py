@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 
 def serve(args) -> int:
-    from quickdraft.cost import describe
+    from quickdraft.models.pass_cost import describe
 
     if args.ray:
         from quickdraft.deploy.ray_serve import serve_on_ray

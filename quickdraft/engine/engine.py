@@ -14,9 +14,8 @@ import itertools
 import time
 
 from quickdraft.config import EngineConfig
-from quickdraft.cost import (TRUSTED_PASSES, Acceptance, SpeculationSwitch, calibrate, expected_tokens, key_reads,
-                             plan_draft_lengths)
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
+from quickdraft.engine.plan import TRUSTED_PASSES, Acceptance, SpeculationSwitch, plan_draft_lengths
 from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.runner import Runner, StepResult
 from quickdraft.engine.scheduler import Scheduler
@@ -28,9 +27,11 @@ from quickdraft.models.kv_cache import KVCache, fit_max_model_len, free_memory
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.ggml import on_blocks
 from quickdraft.models.loader import LoadedModel, load_model
+from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.proposers.base import ProposerContext, create_proposer
 from quickdraft.sampling import SamplingParams, make_generator
 from quickdraft.structured import GrammarCompiler
+from quickdraft.verify.rejection import expected_tokens
 
 PROBE_ACCEPTANCE = 0.8  # the acceptance rate a probe is planned with (adaptive K)
 PROBE_CATCHUP = 16  # the most tokens a draft may have to read first for a sequence a probe forces
@@ -74,7 +75,7 @@ class Engine:
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost,
                              StopRules(self.eos_token_ids, self.max_model_len), self.stats, self.acceptance)
         # adaptive, with a drafter whose passes cost time (a draft model, a head): whether speculating
-        # pays at each batch size, measured step by step (cost.py). A free drafter (n-gram, suffix)
+        # pays at each batch size, measured step by step (plan.py). A free drafter (n-gram, suffix)
         # costs only the target rows its drafts add, which the refitted target model prices.
         self.switch = SpeculationSwitch() if target_cost is not None and self.proposer.cost is not None else None
         self._answer_tokens: float | None = None  # finished answers' length, a decayed mean
@@ -211,7 +212,7 @@ class Engine:
     def _num_draft(self, seqs: list[Sequence]) -> list[int]:
         """K for each sequence this step: none on its prompt pass, never more than it can use,
         none when the batch has reached ``disable_by_batch_size``, and with ``adaptive`` as many
-        as pay for themselves (quickdraft/cost.py)."""
+        as pay for themselves (engine/plan.py)."""
         spec = self.config.speculative
         if not self._speculating(seqs):
             return [0] * len(seqs)

@@ -10,7 +10,7 @@ changes state) moves each sequence's cached length over its pending tokens and a
 proposer, and appends the tokens under the stop rules.
 
 Each phase's wall time goes to a ``StepTimes`` record beside the data path; the cost model and the
-tree choice read it after the step (adaptive speculation, quickdraft/cost.py).
+tree choice read it after the step (adaptive speculation, engine/plan.py).
 
 A sequence with a grammar (structured.py) drafts its grammar's forced tokens where there are any
 (the proposer is not asked for it then), has any other draft cut before its first token the
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.cost import Acceptance, LinearCost, TreeChoice, key_reads, plan_tree_sizes
-from quickdraft.models.kv_cache import KVCache
-from quickdraft.models.decoder import AttentionMetadata, Decoder, tree_paths_from_parents
+from quickdraft.engine.plan import Acceptance, TreeChoice, plan_tree_sizes
 from quickdraft.engine.sequence import Sequence, SpecStats, TokenLogprob
 from quickdraft.engine.stops import StopRules
+from quickdraft.models.decoder import AttentionMetadata, Decoder, tree_paths_from_parents
+from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.pass_cost import LinearCost, key_reads
 from quickdraft.proposers.base import DraftProposal, Proposer
 from quickdraft.sampling import BatchSampling
 from quickdraft.structured import apply_masks
@@ -325,7 +326,7 @@ class Runner:
 
     def _trim_trees(self, seqs: list[Sequence], proposal: DraftProposal, spent: float) -> DraftProposal:
         """Each tree the proposer valued cut to the nodes whose rows pay at this batch
-        (cost.plan_tree_sizes), before the target scores them."""
+        (plan.plan_tree_sizes), before the target scores them."""
         valued = [proposal.values[i] if proposal.tree(i) is not None else None for i in range(len(seqs))]
         chains = [0 if v is not None else k for v, k in zip(valued, proposal.num_tokens)]
         keep = plan_tree_sizes(valued, self.target_cost, sum(s.num_pending + k for s, k in zip(seqs, chains)),

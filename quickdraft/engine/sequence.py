@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.cost import Acceptance
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
+from quickdraft.engine.plan import Acceptance
 from quickdraft.sampling import SamplingParams
 from quickdraft.structured import GrammarMatcher
 
@@ -142,7 +142,7 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
-    acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (quickdraft/cost.py)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' fate (engine/plan.py)
     steps_without_drafts: int = 0  # decoding steps since its last draft (for probing)
     # seconds the draft spent reading its prompt, spread over the decoding steps it is expected to
     # take: what each speculative step of it costs besides its pass (engine.py, SpeculationSwitch)

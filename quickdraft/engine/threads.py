@@ -14,7 +14,7 @@ were worse than either where it mattered).
 libgomp reads its policy once, when it loads, and so cannot follow the machine; the thread count
 can change at any time. So quickdraft leaves libgomp's spinning as it is and follows the other
 processes with the count: ``ThreadGovernor``, every half second while the engine runs, reads how
-much of the machine's CPU time went to other processes (/proc/stat, quickdraft/cost.py's
+much of the machine's CPU time went to other processes (/proc/stat, models/pass_cost.py's
 ``others_share``) and runs the passes on the cores they leave free, at least one, back up to the
 start's count when they go. On the cores left free a thread has no one to wait for, so spinning
 costs nothing there: measured on a 2-core AMD EPYC Zen 4, the 1.5B, 2 x 128 tokens, three runs
@@ -156,7 +156,7 @@ class ThreadGovernor:
     def __init__(self, interval: float = 0.5, sample=None, share=None):
         import torch
 
-        from quickdraft.cost import cpu_sample, others_share
+        from quickdraft.models.pass_cost import cpu_sample, others_share
 
         self.torch = torch
         self.cpus = _affinity()

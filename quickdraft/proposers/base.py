@@ -19,7 +19,7 @@ from quickdraft.verify.penalties import shapes_logits
 
 if TYPE_CHECKING:
     from quickdraft.config import SpeculativeConfig
-    from quickdraft.cost import LinearCost
+    from quickdraft.models.pass_cost import LinearCost
     from quickdraft.engine.sequence import Sequence
     from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import Decoder
@@ -101,7 +101,7 @@ class ProposerContext:
 
 
 class Proposer(Protocol):
-    # What one draft pass costs (quickdraft/cost.py), for planning K; None: drafts are free to make.
+    # What one draft pass costs (models/pass_cost.py), for planning K; None: drafts are free to make.
     cost: "LinearCost | None"
 
     def propose(self, seqs: list["Sequence"], num_tokens: list[int]) -> DraftProposal:

@@ -2,7 +2,7 @@
 Medusa's heads, proposers/heads/medusa.py), EAGLE-2's way: a node's value is the calibrated confidence in
 its whole path, the most valuable nodes of a level are expanded, and the most valuable nodes overall
 are proposed (a node's value never exceeds its parent's, so they form a tree). The runner may trim
-them further to the rows that pay (quickdraft/cost.py, plan_tree_sizes).
+them further to the rows that pay (engine/plan.py, plan_tree_sizes).
 
 Greedy requests only: the tree verifier (verify/tree.py) tests each sampled child as drawn from q,
 and a tree whose shape is chosen by the probabilities of its own draws would bias that test.

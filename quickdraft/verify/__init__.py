@@ -3,7 +3,7 @@
 chain verification (``rejection``), token trees (``tree``) and the slow paper-faithful reference
 (``reference``, used by tests)."""
 
-from quickdraft.verify.rejection import VerifyOutput, verify
+from quickdraft.verify.rejection import VerifyOutput, expected_tokens, verify
 from quickdraft.verify.step import verify_step
 
-__all__ = ["VerifyOutput", "verify", "verify_step"]
+__all__ = ["VerifyOutput", "expected_tokens", "verify", "verify_step"]

@@ -293,3 +293,10 @@ def _check_shapes(
         raise ValueError(f"sampling has {len(sampling)} rows, expected {batch}")
     if tuple(uniforms.shape) != (total + batch,):
         raise ValueError(f"uniforms has shape {tuple(uniforms.shape)}, expected ({total + batch},)")
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verification yields with k drafts each accepted i.i.d. at rate alpha (this rule
+    keeps a chain's prefix up to its first rejection, then adds one token): 1 + alpha + ... +
+    alpha^k (Leviathan et al. 2023, eq. 1)."""
+    return sum(alpha**j for j in range(k + 1))

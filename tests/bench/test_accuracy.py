@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gguf
 import gguf.quants
-import numpy as np
 import pytest
 import torch
 
@@ -125,7 +124,7 @@ def test_whole_output_agreement():
 
 
 def test_divergences_carry_the_reference_margin():
-    from quickdraft.measure import top2_margin
+    from quickdraft.evaluation.measure import top2_margin
 
     d = _decoder()
     outputs = {"blocks": [[1, 2, 3], [7]], "dense": [[1, 2, 4], [7]], "llama_cpp": [[1, 2, 3], None]}

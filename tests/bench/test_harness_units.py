@@ -10,7 +10,7 @@ import pytest
 from quickdraft.bench import cli as bench_cli
 from quickdraft.bench import peers
 from quickdraft.bench.harness import BenchConfig, Harness, Request, Variant, variants
-from quickdraft.measure import top2_margin
+from quickdraft.evaluation.measure import top2_margin
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError

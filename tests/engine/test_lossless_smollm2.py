@@ -134,7 +134,7 @@ def test_batched_equals_alone(target, plain):
     {"method": "draft_model", "model": "smollm2-135m-instruct", "num_speculative_tokens": 4},
 ])
 def test_adaptive_plan_changes_only_the_speed(target, plain, spec):
-    """The default: K is planned per sequence and step from timings (quickdraft/cost.py), so which
+    """The default: K is planned per sequence and step from timings (engine/plan.py), so which
     drafts are verified varies from run to run; the tokens may not."""
     dtype, model = target
     spec = {**spec, "model": model} if "model" in spec else spec

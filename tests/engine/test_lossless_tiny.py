@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
-from quickdraft.cost import TRUSTED_PASSES, LinearCost
+from quickdraft.engine.plan import TRUSTED_PASSES
+from quickdraft.models.pass_cost import LinearCost
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
 from quickdraft.models.loader import LoadedModel
@@ -247,7 +248,7 @@ def test_penalties_and_bias_under_speculation_equal_plain(kind):
 
 
 def test_a_batch_size_the_switch_turned_off_decodes_plainly_and_reads_no_prompts(plain):
-    """Where the speculation switch (cost.py) has measured speculating losing at a batch size,
+    """Where the speculation switch (engine/plan.py) has measured speculating losing at a batch size,
     steps of that size draft nothing and the draft reads no prompt; steps of a smaller batch still
     draft, and the output is the plain output either way."""
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)

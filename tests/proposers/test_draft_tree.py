@@ -2,7 +2,7 @@
 models in float32: the tree's shape, its identity with the chain at one branch, the draft cache
 after a tree (the accepted path's keys moved into place, bit for bit what a fresh draft computes),
 greedy output equal to plain decoding, and the planner that trims a tree to the rows that pay
-(quickdraft/cost.py's plan_tree_sizes, DraftProposal.trimmed)."""
+(engine/plan.py's plan_tree_sizes, DraftProposal.trimmed)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
-from quickdraft.cost import LinearCost, TreeChoice, plan_tree_sizes
+from quickdraft.engine.plan import TreeChoice, plan_tree_sizes
+from quickdraft.models.pass_cost import LinearCost
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.sequence import Sequence
 from quickdraft.errors import ConfigError

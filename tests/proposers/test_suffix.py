@@ -227,7 +227,7 @@ def test_config_reads_vllm_keys():
 
 def test_a_tree_is_valued_by_its_paths_probability():
     """With branches, each node carries its path's empirical probability (never above its
-    parent's), for the runner to trim the tree to the rows that pay (cost.plan_tree_sizes)."""
+    parent's), for the runner to trim the tree to the rows that pay (engine/plan.py, plan_tree_sizes)."""
     from quickdraft.sampling import SamplingParams
 
     prop = SuffixProposer(depth=16, min_prob=0.0, branches=3)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from quickdraft.stats import tv_test
+from quickdraft.evaluation.stats import tv_test
 from quickdraft.errors import ConfigError
 from quickdraft.models import eagle3 as head_file
 from quickdraft.models.loader import LoadedModel
@@ -18,7 +18,6 @@ from quickdraft.proposers.heads.eagle3 import Eagle3Proposer
 from quickdraft.proposers.heads.common import embed_rows
 from quickdraft.sampling import SamplingParams
 from quickdraft.train import eagle3 as trainer
-from quickdraft.train.loop import batches
 from tests.train.conftest import CONFIG, PROMPTS, TARGET, run
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from quickdraft.stats import tv_test
+from quickdraft.evaluation.stats import tv_test
 from quickdraft.errors import ConfigError
 from quickdraft.models import medusa as head_file
 from quickdraft.models.loader import LoadedModel

@@ -39,13 +39,14 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.cost import LinearCost, calibrate, expected_tokens, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.models.decoder import AttentionMetadata, Decoder, linear, nbytes
+from quickdraft.models.pass_cost import LinearCost, calibrate, key_reads
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft import vocab as draft_vocab
 from quickdraft.proposers.draft.load import head_rows
 from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
+from quickdraft.verify.rejection import expected_tokens
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import time
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from quickdraft.cost import calibrate, key_reads
+from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
 from quickdraft.proposers.base import DraftProposal, register

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from quickdraft.cost import calibrate, key_reads
+from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder

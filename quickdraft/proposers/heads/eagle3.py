@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from quickdraft.cost import LinearCost, calibrate
+from quickdraft.models.pass_cost import LinearCost, calibrate
 from quickdraft.models import eagle3 as head_file
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.heads.common import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head

@@ -154,7 +154,7 @@ class SuffixProposer:
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
         """Chains, or with ``num_branches`` > 1 trees valued by their paths' empirical probability
-        (never above a parent's), which the runner may trim to the rows that pay (cost.plan_tree_sizes)."""
+        (never above a parent's), which the runner may trim to the rows that pay (engine/plan.py, plan_tree_sizes)."""
         drafts, parents, values = [], [], []
         for s, k in zip(seqs, num_tokens):
             if k > 0 and self.branches > 1 and accepts_trees(s.params):

@@ -1,25 +1,16 @@
-"""What a step costs, and how many draft tokens pay for it: K chosen per sequence, per step.
+"""What one pass of a model costs on this machine: ``LinearCost``, fitted to a short calibration
+at start-up (``calibrate``, cached on disk per machine, kernel build and model shape) and refitted
+to the passes the engine and the proposers time afterwards, so that the model follows the machine
+(a shared machine's speed drifts).
 
-Speculation pays only while the tokens it gains are worth more than the rows it adds to the
-target's pass and the draft passes it runs. On a CPU neither is free: verifying K+1 rows of a
-1.5B model costs ~11 ms a row on top of ~120 ms for the pass (compute, not bandwidth, once there
-are a few rows), and the target's cost grows with the batch's total rows. A fixed K or a fixed
-batch-size switch (vLLM's ``disable_by_batch_size``) is right for one workload and wrong for the
-next, so the engine plans each step the way SmartSpec (Liu et al. 2024, "goodput") does:
+    seconds = a + b * rows + b' * max(0, rows - KNEE) + s * chains + c * keys read
 
-* ``LinearCost``: seconds = a + b * rows + b' * max(0, rows - KNEE) + s * chains + c * keys
-  read, for one pass of a model (rows cost less while a pass is short: see KNEE), fitted by
-  least squares to a short calibration at start-up (9 s for a 1.5B on this CPU, once per loaded
-  model and process) and refitted to the passes the engine times afterwards, so
-  the model follows the machine (a shared machine's speed drifts).
-* Each sequence's acceptance rate alpha is estimated from its own recent passes, shrunk towards
-  the engine-wide rate while it has few; under the usual i.i.d. model a chain of k drafts yields
-  1 + alpha + ... + alpha^k tokens on average (Leviathan et al. 2023, eq. 1).
-* ``plan_draft_lengths`` picks the K_i that maximize expected tokens per second of the whole
-  step: sequences whose drafts keep failing get K = 0, and once the batch is large enough that
-  rows are dear, every K shrinks, down to plain decoding.
+for one pass (rows cost less while a pass is short: see KNEE). Attention reads every cached key
+for every row, and each chain has its own attention calls, hence the chain and key terms.
 
-The plan changes nothing but speed: it only decides how many draft tokens the verifier sees.
+The plan that spends these costs (K per sequence, tree sizes, whether to speculate at all) is the
+engine's: engine/plan.py. This module only measures; it sits in the models layer so that the
+proposers, which time their own passes, can use it without looking up to the engine.
 """
 
 from __future__ import annotations
@@ -32,9 +23,7 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -54,9 +43,6 @@ RECENT = 64  # passes kept for the refit
 # rows put the 1.5B's one-row pass at 31 ms for a measured 36-43 and the draft's at 10.5 for
 # 13.5-14, and so planned K=1 where fixed K=4 was faster (tests/engine/test_cost.py).
 KNEE = 4
-# Passes of a kind (draft passes, verification passes of several rows) the refit must have timed
-# before the plan is trusted to keep a due probe from drafting (engine.py, _num_draft).
-TRUSTED_PASSES = 16
 ANCHOR_WEIGHT = 2.0  # a calibration point weighs as much as this many timed passes
 # The scaled normal equations' condition number past which a fit is left to lstsq over the points
 # (rounding in them grows with its square)
@@ -410,286 +396,6 @@ def _time_passes(decoder, kv, slot, shapes) -> list[tuple]:
                 best = min(best, time.perf_counter() - t0)
         points.append((n * q, n, n * key_reads(ctx, q), best))
     return points
-
-
-@dataclass
-class Acceptance:
-    """Decayed counts of accepted drafts and of chains that ended in a rejection, so that
-    alpha = hits / (hits + misses) follows the text as it changes (the geometric model's MLE)."""
-
-    hits: float = 0.0
-    misses: float = 0.0
-    decay: float = 0.9
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts == 0:
-            return
-        self.hits = self.decay * self.hits + num_accepted
-        self.misses = self.decay * self.misses + (1.0 if num_accepted < num_drafts else 0.0)
-
-    def rate(self, prior: float, prior_weight: float = 4.0) -> float:
-        """The posterior mean, with ``prior_weight`` pseudo-trials at ``prior``."""
-        return (self.hits + prior_weight * prior) / (self.hits + self.misses + prior_weight)
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one pass yields with k drafts accepted i.i.d. at rate alpha: 1 + alpha + ... + alpha^k."""
-    return sum(alpha**j for j in range(k + 1))
-
-
-def plan_draft_lengths(
-    alphas: list[float],  # [batch] acceptance estimate per sequence
-    caps: list[int],  # [batch] the most drafts each may take (0: none this step)
-    target: LinearCost,
-    draft: LinearCost | None,  # None: drafts cost nothing to make (ngram)
-    pending: list[int] | None = None,  # [batch] tokens each feeds the target whatever the plan (default 1)
-    contexts: list[int] | None = None,  # [batch] tokens each has in the target's cache (default 0)
-    catchup: list[float] | None = None,  # [batch] rows the draft must read before it drafts
-    shares: list[float] | None = None,  # [batch] steps that catch-up's cost is shared over (default 1)
-) -> list[int]:
-    """The K_i that maximize expected tokens per second of this step; [0] * batch = plain.
-
-    For each draft depth L the fixed cost is L draft passes; then draft tokens are added in
-    order of their expected gain alpha_i^j while each one's gain per second beats the step's
-    tokens per second so far (adding a better-than-average item raises the average). The best L
-    wins. A token's cost is one target row and one draft row (one chain of a draft pass), each
-    priced at the row count its pass has reached (``LinearCost.row_cost``), both dearer for a
-    longer context, plus the draft's catch-up rows for a sequence's first draft."""
-    batch = len(alphas)
-    pending = pending or [1] * batch
-    contexts = contexts or [0] * batch
-    catchup = catchup or [0.0] * batch
-    base = target(sum(pending), batch, sum(key_reads(c, p) for c, p in zip(contexts, pending)))
-    ctx = [c + p for c, p in zip(contexts, pending)]  # where a sequence's drafts start
-    # besides the rows' own cost, which depends on how many rows their pass has (see KNEE)
-    token_cost = [target.per_key * ctx[i] for i in range(batch)]
-    if draft is not None:
-        for i in range(batch):
-            token_cost[i] += draft.per_chain + draft.per_key * ctx[i]
-    shares = shares or [1.0] * batch
-    # catch-up rows ride on the first draft pass, a long one for a prompt: rows past KNEE at their dearer rate
-    first_cost = [(draft.b * catchup[i] + draft.b_more * max(0.0, catchup[i] + 1 - KNEE) + draft.per_key * catchup[i] * ctx[i])
-                  / shares[i] if draft is not None else 0.0 for i in range(batch)]
-    a_d = draft.a if draft is not None else 0.0
-    best_ks, best_rate = [0] * batch, batch / max(base, 1e-9)
-    for depth in range(1, max(caps, default=0) + 1):
-        items = sorted(
-            ((alphas[i] ** j, i, j) for i in range(batch) for j in range(1, min(depth, caps[i]) + 1)),
-            key=lambda item: (-item[0], item[2], item[1]),
-        )
-        ks = [0] * batch
-        tokens, seconds = float(batch), base + depth * a_d
-        rows, chains = sum(pending), [0] * (depth + 1)  # the target pass's rows; each draft pass's chains
-        for gain, i, j in items:
-            if ks[i] != j - 1:
-                continue  # its earlier draft was not worth it, so this one is not either
-            cost = token_cost[i] + target.row_cost(rows) + (first_cost[i] if j == 1 else 0.0)
-            if draft is not None:
-                cost += draft.row_cost(chains[j])
-            if gain * seconds > tokens * cost:
-                ks[i] = j
-                tokens += gain
-                seconds += cost
-                rows += 1
-                chains[j] += 1
-        if any(ks) and tokens / seconds > best_rate:
-            best_ks, best_rate = ks, tokens / seconds
-    return best_ks
-
-
-def plan_tree_sizes(values: list[list[float] | None], target: LinearCost, rows: int, keys: int,
-                    contexts: list[int], spent: float = 0.0) -> list[int]:
-    """How many nodes of each valued tree (``values[i]``: each node's chance of being accepted,
-    from the proposer; None: not a valued tree) the target verifies: its most valuable ones, taken
-    across the batch in order of value while each one's value per second of its row beats the
-    step's expected tokens per second so far, the rule of plan_draft_lengths with a node's value
-    for alpha^j. The tree's size is then a decision priced at this batch's rows (EAGLE-2 fixes it
-    instead). ``rows`` and ``keys``: the pass's rows and key reads besides the trees' nodes
-    (pending tokens, chains' drafts); ``contexts`` [batch]: where each tree starts; ``spent``:
-    seconds the drafts took already, part of the step's rate though no longer a choice.
-    -> [batch] nodes to keep (a sequence without values: all of its drafts)."""
-    batch = len(values)
-    keep = [0 if v is not None else -1 for v in values]
-    items = sorted(((v, i, j) for i, vs in enumerate(values) if vs is not None
-                    for j, v in enumerate(sorted(vs, reverse=True))), key=lambda item: (-item[0], item[1], item[2]))
-    tokens, seconds = float(batch), spent + target(rows, batch, keys)
-    for value, i, j in items:
-        if keep[i] != j:
-            continue  # a more valuable node of its tree did not pay
-        cost = target.row_cost(rows) + target.per_key * contexts[i]
-        if value * seconds > tokens * cost:
-            keep[i] += 1
-            tokens += value
-            seconds += cost
-            rows += 1
-    return keep
-
-
-class TreeChoice:
-    """Whether token trees pay on this machine, measured rather than modelled: decayed tokens per
-    second of the steps that verified a grown tree against those that verified chains, each the
-    whole step's wall time (draft passes, the target's pass, verification, the trees' upkeep).
-    plan_tree_sizes prices a tree's rows; this catches what it does not price (a tree's wider draft
-    passes, the rows past the kernels' cheap range). Trees are grown while they are ahead, and
-    every ``probe``-th step tries the other shape, so that a change of text or load is seen."""
-
-    def __init__(self, probe: int = 8, decay: float = 0.9):
-        self.probe, self.decay = probe, decay
-        self.tokens = {True: 0.0, False: 0.0}
-        self.seconds = {True: 0.0, False: 0.0}
-        self.steps = 0
-
-    def rate(self, trees: bool) -> float | None:
-        return self.tokens[trees] / self.seconds[trees] if self.seconds[trees] > 0 else None
-
-    def use_trees(self) -> bool:
-        self.steps += 1
-        tree, chain = self.rate(True), self.rate(False)
-        if tree is None or chain is None:
-            return chain is not None  # try each once: chains first, then trees
-        ahead = tree >= chain
-        return ahead != (self.steps % self.probe == 0)
-
-    def record(self, trees: bool, tokens: int, seconds: float) -> None:
-        self.tokens[trees] = self.decay * self.tokens[trees] + tokens
-        self.seconds[trees] = self.decay * self.seconds[trees] + seconds
-
-
-class SpeculationSwitch:
-    """Whether speculating pays at each batch size, measured: vLLM's ``disable_by_batch_size``
-    learned on this machine instead of set by hand.
-
-    The plan (plan_draft_lengths) prices drafts by a fitted cost model, and where that model is
-    wrong (a calibration timed while the machine was busy, rows dearer under load than the fit
-    says, a draft's catch-up after a pause) a batch that speculates can run slower than the same
-    batch decoding plainly: four clients at a time on the Qwen2.5-Coder pair went 0.87x plain.
-    So, as TreeChoice does for trees, each batch size keeps the tokens per second of its whole
-    decoding steps (drafting, the target's pass, verification) in each mode, and runs the faster:
-
-    * a batch size starts speculating (the plan decides K), unless a smaller one was measured
-      to lose, in which case it starts plain;
-    * while speculating, plain decoding is tried for ``run`` steps only where speculation looks
-      doubtful: its measured rate is below ``margin`` times the plain rate the target's cost model
-      predicts (so one request whose drafts pay 1.5x never spends a step on a plain probe);
-    * while plain, speculation is tried for ``run`` steps every ``interval`` steps, the interval
-      doubling each time the probe loses (up to ``longest``), so that a batch that never pays
-      costs less and less to keep checking, and a change of text or load is still seen;
-    * the first step of each run is not measured: the draft model reads what it missed while it
-      did not draft (its catch-up), a cost of switching, not of the mode.
-
-    Decisions change nothing but speed: either mode's output is the target's."""
-
-    def __init__(self, run: int = 4, interval: int = 16, longest: int = 256, margin: float = 1.15, decay: float = 0.95):
-        self.run, self.interval, self.longest, self.margin, self.decay = run, interval, longest, margin, decay
-        self._batches: dict[int, _BatchMode] = {}
-
-    def _mode(self, batch: int) -> "_BatchMode":
-        mode = self._batches.get(batch)
-        if mode is None:
-            starts_on = all(m.on for b, m in self._batches.items() if b < batch)
-            mode = self._batches[batch] = _BatchMode(on=starts_on, interval=self.interval)
-        return mode
-
-    def preferred(self, batch: int) -> bool:
-        """Whether a step of ``batch`` sequences speculates, without counting it as a decoding step
-        (a step that reads prompts)."""
-        m = self._mode(batch)
-        return m.on != (m.probe_left > 0)
-
-    def pays(self, batch: int) -> bool:
-        """Speculating at ``batch`` has been measured, and not found slower than decoding plainly."""
-        m = self._batches.get(batch)
-        if m is None or not m.on or m.rate(True) is None:
-            return False
-        return m.rate(False) is None or m.rate(True) >= m.rate(False)
-
-    def speculate(self, batch: int, plain_estimate: "Callable[[], float] | None" = None) -> bool:
-        """Whether this decoding step of ``batch`` sequences speculates (the step is then
-        ``record``ed). ``plain_estimate``: the tokens per second the cost model predicts for a plain
-        step of this batch, which decides whether plain decoding is worth a probe (called only
-        when a probe is due, not every step)."""
-        m = self._mode(batch)
-        if m.probe_left:
-            return not m.on
-        m.since += 1
-        if m.since < m.interval:
-            return m.on
-        if m.on:
-            rate = m.rate(True)
-            doubtful = rate is not None and (plain_estimate is None or rate < self.margin * plain_estimate())
-            if not doubtful:
-                return True
-        m.start_probe(self.run)
-        return not m.on
-
-    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decoding step of ``batch`` sequences that ``speculated`` (its mode, whatever K the
-        plan gave) made ``tokens`` tokens in ``seconds``."""
-        m = self._batches.get(batch)
-        if m is None or seconds <= 0:
-            return
-        if m.skip:  # the first step of a run: the switch's own cost
-            m.skip = False
-        elif m.probe_left:
-            m.probe[0] += tokens
-            m.probe[1] += seconds
-        else:
-            m.tokens[speculated] = self.decay * m.tokens[speculated] + tokens
-            m.seconds[speculated] = self.decay * m.seconds[speculated] + seconds
-        if m.probe_left:
-            m.probe_left -= 1
-            if not m.probe_left:
-                self._decide(m)
-
-    def _decide(self, m: "_BatchMode") -> None:
-        """A probe of the other mode has ended: switch to it where it was faster than the current
-        mode's recent steps."""
-        other = not m.on
-        probe_rate = m.probe[0] / m.probe[1] if m.probe[1] > 0 else None
-        if probe_rate is not None:  # the probe's steps become that mode's record
-            m.tokens[other], m.seconds[other] = m.probe
-        current = m.rate(m.on)
-        if probe_rate is not None and (current is None or probe_rate > current):
-            m.on, m.interval, m.skip = other, self.interval, True
-        else:
-            m.interval = min(2 * m.interval, self.longest)
-            m.skip = True  # back to the current mode: a draft that paused catches up again
-
-    def to_dict(self) -> dict:
-        """Each batch size's mode and measured rates (tokens per second), for reports."""
-        return {b: {"speculating": m.on, "speculative_tok_s": m.rate(True), "plain_tok_s": m.rate(False)}
-                for b, m in sorted(self._batches.items())}
-
-
-@dataclass
-class _BatchMode:
-    on: bool
-    interval: int
-    since: int = 0  # decoding steps since the last probe
-    probe_left: int = 0  # steps left in a probe of the other mode
-    skip: bool = False  # the next step is the first of a run: not measured
-    probe: list = field(default_factory=lambda: [0.0, 0.0])  # [tokens, seconds] of the probe under way
-    tokens: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})  # decayed, by mode (speculating?)
-    seconds: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
-
-    def rate(self, mode: bool) -> float | None:
-        return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] > 0 else None
-
-    def start_probe(self, run: int) -> None:
-        self.probe_left, self.probe, self.since, self.skip = run, [0.0, 0.0], 0, True
-
-
-def step_rate(ks: list[int], alphas: list[float], target: LinearCost, draft: LinearCost | None,
-              contexts: list[int] | None = None) -> float:
-    """Expected tokens per second of one decoding step (one pending token each) with draft
-    lengths ``ks``: what the plan maximizes, computed pass by pass."""
-    contexts = contexts or [0] * len(ks)
-    seconds = target(len(ks) + sum(ks), len(ks), sum(key_reads(c, 1 + k) for c, k in zip(contexts, ks)))
-    if draft is not None and any(ks):
-        for j in range(1, max(ks) + 1):
-            drafting = [i for i, k in enumerate(ks) if k >= j]
-            seconds += draft(len(drafting), len(drafting), sum(contexts[i] + j for i in drafting))
-    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
 
 
 def describe(cost: dict) -> str:

@@ -3,7 +3,7 @@ of plain numbers.
 
 Terms:
 - *tokens/s* of one run: tokens after the first over the time from the first token to the last
-  (``quickdraft.measure.summarize``), so that time to first token (TTFT) is reported apart.
+  (``quickdraft.evaluation.measure.summarize``), so that time to first token (TTFT) is reported apart.
 - *speedup* of a method on a request: its tokens/s over ``none``'s on the same request (and seed),
   both measured in the same run. A group's speedup is the median of those paired ratios; the
   geometric mean is given too (ratios multiply, so it is the mean that is symmetric in them).
