@@ -21,7 +21,7 @@ ARCHIVE = DOCS / "benchmarks" / "archive"
 
 # CPU class -> the archived bench run whose results.json is that class's current table.
 CURRENT = {
-    "x86-64 with AVX-512 VNNI, no AMX (AMD EPYC, Zen 4)": "all-proposers-amd",
+    "x86-64 with AVX-512 VNNI, no AMX (AMD EPYC, Zen 4)": "llama-server-draft-amd",
     "x86-64 with AVX-512 VNNI and AMX (Intel Xeon)": "gguf-vs-llama-cpp-intel-amx",
 }
 
