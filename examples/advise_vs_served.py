@@ -4,10 +4,10 @@ same prompts through the ``openai`` client, one request at a time, servers takin
 prompt (rotating who goes first) so that a machine whose speed drifts falls on all alike. Prints
 advise's speedup at batch 1 beside the served one (median over prompts of each drafter's tokens per
 second over plain's on the same prompt), and whether the drafter advise chose is the one that served
-fastest (by advise's own bar, MIN_SPEEDUP). Exits 1 where a served output differs from plain's.
+fastest (or how far behind the fastest it served). Exits 1 where a served output differs from plain's.
 
     python examples/advise_vs_served.py qwen2.5-coder-1.5b-instruct humaneval \\
-        --draft-model qwen2.5-coder-0.5b-instruct --methods suffix --num-prompts 6 --max-tokens 128
+        --draft-model qwen2.5-coder-0.5b-instruct --methods suffix --num-prompts 8 --max-tokens 128
 """
 import argparse
 import json
@@ -71,16 +71,18 @@ def main() -> int:
     p.add_argument("prompts", help="as advise takes them: a JSONL, humaneval or mtbench")
     p.add_argument("--draft-model", action="append", default=[])
     p.add_argument("--methods", default="ngram,suffix")
-    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=2, help="times each server is asked each prompt")
+    # once by default, as advise asks them: suffix keeps what it served in its trie, so a prompt
+    # asked again is drafted from its own earlier answer (1.80x served against 1.13x, MT-Bench)
+    p.add_argument("--rounds", type=int, default=1, help="times each server is asked each prompt")
     p.add_argument("--work-dir", default=None, help="where advise's report and the servers' logs go")
     args = p.parse_args()
 
     from openai import OpenAI
 
-    from quickdraft.commands.advise import MIN_SPEEDUP, WARMUP_PROMPTS, WARMUP_TOKENS
+    from quickdraft.commands.advise import WARMUP_PROMPTS, WARMUP_TOKENS
     from quickdraft.evaluation.datasets import load
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="advise-vs-served-"))
@@ -142,10 +144,12 @@ def main() -> int:
         print(f"{n:<40} {d['speedup']['1']:>15.2f}x {served[n]:>7.2f}x {statistics.median(mine):>13.2f}  "
               f"{'identical' if same else 'DIFFER'}")
     chosen = advised["verdict"]["drafter"]
-    best = max(served, key=served.get) if served else None
-    best = best if best is not None and served[best] >= MIN_SPEEDUP else None  # advise's own bar
-    print(f"\nadvise chose: {chosen or 'plain decoding'}; served fastest: {best or 'plain decoding'}"
-          f" -> {'agree' if chosen == best else 'DISAGREE'}")
+    served["none"] = 1.0
+    best = max(served, key=served.get)
+    pick = chosen or "none"
+    print(f"\nadvise chose: {chosen or 'plain decoding'}, served at {served[pick]:.2f}x; served fastest: "
+          f"{best if best != 'none' else 'plain decoding'}, {served[best]:.2f}x"
+          + (" -> the same" if pick == best else f" -> advise's choice served at {served[pick] / served[best]:.0%} of it"))
     print(f"advise's report: {work / 'advise' / 'report.md'}")
     return 0 if ok else 1
 

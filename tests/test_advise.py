@@ -34,7 +34,10 @@ def test_speculate_with_the_fastest_that_fits_and_turn_it_off_where_it_lost():
     assert any("suffix adds 500 MiB" in reason for reason in v["reasons"])
     v = decide(r, budget=None)
     assert v["drafter"] == "suffix" and v["speculative_config"]["disable_by_batch_size"] == 4
-    assert v["text"].startswith("speculate with suffix: 1.60x at batch 1")
+    assert v["text"] == ("speculate with suffix: 1.60x at batch 1, 0.95x at 4, 0.80x at 8; "
+                         "off from batch 4, where it measured a loss")
+    v = decide(result(drafter("suffix", {1: 1.6})), budget=None)  # one batch size measured
+    assert v["text"] == "speculate with suffix: 1.60x at batch 1"
 
 
 def test_dont_speculate_below_the_threshold_and_say_why():

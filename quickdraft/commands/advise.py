@@ -212,8 +212,8 @@ def decide(result: dict, budget: int | None) -> dict:
     losing = sorted(b for b, s in speedups.items() if s < 1.0)
     if losing:
         config["disable_by_batch_size"] = losing[0]
-    text = (f"speculate with {best['name']}: {speedups[min(speedups)]:.2f}x at batch {min(speedups)}, "
-            + ", ".join(f"{s:.2f}x at {b}" for b, s in sorted(speedups.items()) if b != min(speedups))
+    text = (f"speculate with {best['name']}: "
+            + ", ".join(f"{s:.2f}x at {'batch ' if b == min(speedups) else ''}{b}" for b, s in sorted(speedups.items()))
             + (f"; off from batch {losing[0]}, where it measured a loss" if losing else ""))
     return {"speculate": True, "drafter": best["name"], "reasons": reasons, "speculative_config": config, "text": text}
 
