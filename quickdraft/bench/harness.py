@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quickdraft.evaluation import datasets, stats
-from quickdraft.bench.floor import floor
+from quickdraft.bench.floor import PROBE_MIB, PROBE_REPEATS, floor
 from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError
 from quickdraft.evaluation.measure import RssSampler, measure_bandwidth, summarize, top2_margin
@@ -215,8 +215,6 @@ class Harness:
             clock = now
 
         prompts = self.prompts()
-        bandwidth = measure_bandwidth()
-        lap("floor_s")
         dtype = EngineConfig(model=c.model, dtype=c.dtype).torch_dtype
         target = load_model(c.model, dtype, c.device, c.quantization)
         # each draft loaded once, shared by every K
@@ -230,13 +228,18 @@ class Harness:
                               "request (its global cache): a repeated request's figures, not a new one's")
         requests, runs, divergences, tv = self._measure(prompts, engines, lap)
         decoder = engines["none"].engine.decoder
-        none_tps = stats.median([r["tokens_per_second"] for r in runs if r["variant"] == "none"])
+        probes = []  # (the bandwidth probe beside each plain run, its tokens/s)
+        for r in runs:
+            if "bandwidth" in r:
+                bw = r.pop("bandwidth")
+                r["bandwidth_gb_per_s"] = bw["bandwidth_bytes_per_s"] / 1e9
+                probes.append((bw, r["tokens_per_second"]))
         memory = {name: self._model_bytes(llm) / MIB for name, llm in engines.items()}
         result = {
             "config": c.to_dict(),
             "models": {"target": _model_info(target), "draft": _model_info(draft) if draft else None,
                        "drafts": {name: _model_info(m) for name, m in drafts.items()}},  # each one compared
-            "floor": floor(bandwidth, decoder.weight_bytes_per_token(), none_tps),
+            "floor": floor(probes or [(measure_bandwidth(), None)], decoder.weight_bytes_per_token()),
             "requests": [r.to_dict() for r in requests], "runs": runs,
             "divergences": divergences, "tv_tests": tv, "model_mib": memory,
             "batch_invariance": decoder.batch_invariance.to_dict(),
@@ -312,8 +315,11 @@ class Harness:
                         rot = (len(requests) + rep + seed) % len(names)
                         for name in names[rot:] + names[:rot]:
                             bar.set_postfix_str(f"{req.id} {name}"[:60], refresh=False)
+                            # the memory's pace beside each plain run: it drifts on a shared machine (floor.py)
+                            probe = measure_bandwidth(PROBE_MIB, PROBE_REPEATS) if name == "none" else None
                             run = timed_generate(engines[name], ids, self._params(seed))
-                            block.append({"request": req.id, "variant": name, "seed": seed, "repeat": rep, **run})
+                            block.append({"request": req.id, "variant": name, "seed": seed, "repeat": rep, **run,
+                                          **({"bandwidth": probe} if probe else {})})
                             bar.update(1)
                 runs += block
                 base = next(r for r in block if r["variant"] == "none" and r["seed"] == seeds[0] and r["repeat"] == 0)

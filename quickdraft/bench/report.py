@@ -127,10 +127,15 @@ def invariance_line(inv: dict | None) -> str:
 
 
 def floor_line(fl: dict) -> str:
-    return (f"floor: {fl['bandwidth_gb_per_s']:.1f} GB/s read bandwidth ({fl['threads']} threads) / "
+    """The floor in words; a run that probed the bandwidth beside each plain run says its range and
+    that each run was held to the floor of its own moment (bench/floor.py)."""
+    low_high = fl.get("bandwidth_gb_per_s_range")
+    spread = (f", median of {fl['probes']} probes beside the plain runs, {low_high[0]:.1f}-{low_high[1]:.1f} GB/s"
+              if low_high and fl.get("probes", 0) > 1 else "")
+    return (f"floor: {fl['bandwidth_gb_per_s']:.1f} GB/s read bandwidth ({fl['threads']} threads{spread}) / "
             f"{fl['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = "
             f"{fl['floor_tokens_per_second']:.2f} tok/s; none decodes at {_f(fl['none_tokens_per_second'])} tok/s, "
-            f"{_pct(fl['fraction_of_floor'])} of the floor")
+            f"{_pct(fl['fraction_of_floor'])} of the floor" + (" beside it (median)" if spread else ""))
 
 
 PEER_STATUS_HEADERS = ["peer", "status", "requests done", "version", "build"]

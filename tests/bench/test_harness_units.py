@@ -204,3 +204,26 @@ def test_standard_suite_resolves():
     c = bench_cli.build_config(bench_cli.resolve(args), args)
     assert c.limit == {"humaneval": 4, "mtbench": 8}
     assert len(c.variants) == 1 + 2 * 4 and c.peers == ["transformers", "llama_cpp", "llama_server"]
+
+
+def test_each_plain_run_is_held_to_the_floor_of_its_own_moment():
+    """A shared machine's bandwidth drifts: a plain run that met a fast minute is measured against
+    the probe taken beside it, not against one taken at the start of the run."""
+    from quickdraft.bench.floor import floor
+    from quickdraft.bench.report import floor_line
+
+    def probe(gb_s):
+        return {"bandwidth_bytes_per_s": gb_s * 1e9, "best_seconds": 0.01, "buffer_bytes": 1 << 28, "repeats": 3,
+                "threads": 2, "method": "torch.sum(float32)"}
+
+    per_token = 10**9  # bytes of weights a token
+    fl = floor([(probe(35), 30.0), (probe(62), 50.0), (probe(34), 31.0)], per_token)
+    # each run over its own floor: 30/35, 50/62, 31/34; the median, 30/35
+    assert fl["fraction_of_floor"] == pytest.approx(30 / 35)
+    assert fl["bandwidth_gb_per_s"] == pytest.approx(35) and fl["bandwidth_gb_per_s_range"] == pytest.approx([34, 62])
+    assert fl["floor_tokens_per_second"] == pytest.approx(35) and fl["none_tokens_per_second"] == 31.0
+    assert fl["probes"] == 3 and fl["threads"] == 2 and "best_seconds" not in fl
+    assert "median of 3 probes beside the plain runs, 34.0-62.0 GB/s" in floor_line(fl)
+    assert "86% of the floor beside it (median)" in floor_line(fl)
+    alone = floor([(probe(35), None)], per_token)  # no plain run measured: the bandwidth alone
+    assert alone["fraction_of_floor"] is None and alone["none_tokens_per_second"] is None
