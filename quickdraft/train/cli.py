@@ -68,6 +68,9 @@ def register(sub) -> None:
     p.add_argument("--lora-rank", type=int, default=16, help="train LoRA adapters of this rank (through peft) and "
                                                              "merge them into the saved weights; 0: a full fine-tune")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (default 2 x rank)")
+    p.add_argument("--draft-layers", default=None,
+                   help="drop layers first, for a cheaper draft: N keeps N evenly spaced (the first and last among "
+                        "them), or the indices to keep, comma-separated (default: all)")
     p.add_argument("--lora-targets", default=None, help="the matrices LoRA adapts, comma-separated (default "
                                                          "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     _precision_arg(p)
@@ -185,6 +188,9 @@ def _draft(args) -> int:
     # the pair is checked before the target labels anything: a wrong pair fails in seconds, not after the labelling
     check_same_vocabulary(model, stock)
     draft.check_trainable(stock.config)
+    keep = _kept_layers(args.draft_layers, stock.config.num_layers)
+    if keep is not None:
+        draft.TrainableDraft(stock, keep)  # a wrong list fails here, before the labelling
     data_dir = _data_dir(args, model)
     data.build(model, data_dir, args.texts, args.seq_len, args.num_label_tokens)
     windows = data.load_windows(data_dir, model)
@@ -194,11 +200,26 @@ def _draft(args) -> int:
     targets = args.lora_targets.split(",") if args.lora_targets else draft.LORA_TARGETS
     _, losses = draft.train(model, stock, windows, out, args.steps, args.batch_size, lr, args.seed,
                             mixed=args.precision == "bf16-mixed", lora_rank=args.lora_rank,
-                            lora_alpha=args.lora_alpha, lora_targets=targets)
+                            lora_alpha=args.lora_alpha, lora_targets=targets, keep_layers=keep)
     tail = losses[-50:]
-    print(json.dumps({"draft": str(out), "lora_rank": args.lora_rank, "steps": len(losses),
+    print(json.dumps({"draft": str(out), "lora_rank": args.lora_rank, "kept_layers": keep, "steps": len(losses),
                       "kl_first": losses[0] if losses else None,
                       "kl_last50": sum(tail) / max(len(tail), 1), "seconds": round(time.perf_counter() - started, 1)}))
     print(f'use it: --speculative-config \'{{"method": "draft_model", "model": "{out}"}}\' --model {args.model}',
           file=sys.stderr)
     return 0
+
+
+def _kept_layers(value: str | None, num_layers: int) -> list[int] | None:
+    """--draft-layers: None (all), N (evenly spaced) or the indices to keep."""
+    from quickdraft.errors import ConfigError
+    from quickdraft.train.draft import spread_layers
+
+    if value is None:
+        return None
+    try:
+        numbers = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--draft-layers takes a count or comma-separated layer indices, got {value!r}",
+                          "draft_layers") from None
+    return spread_layers(num_layers, numbers[0]) if len(numbers) == 1 and "," not in value else numbers

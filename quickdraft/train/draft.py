@@ -8,6 +8,12 @@ state over the whole vocabulary), by a full fine-tune of every draft weight or b
 The result is a Hugging Face directory (``config.json``, ``model.safetensors``, the tokenizer
 files) that ``--speculative-config '{"method": "draft_model", "model": DIR}'`` loads like any draft.
 
+A draft can be made cheaper first by dropping layers (``keep_layers``: the layers kept, in order),
+then distilled back towards the target, the layer-dropping recipe of DistilBERT (Sanh et al.
+2019) and of layer-pruned drafts: a draft pass costs about what its layers and head read, so
+half the layers is a cheaper pass, and the distillation recovers what it can of the acceptance.
+The saved directory has the kept layers only, renumbered from 0.
+
 The training forward is a plain autograd one (torch ops, causal scaled-dot-product attention);
 the engine's decoder, which serves the result, is inference-only. tests/train/test_draft.py
 checks that the two agree on the logits.
@@ -15,6 +21,7 @@ checks that the two agree on the logits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -64,6 +71,17 @@ class _Layer(torch.nn.Module):
             setattr(self.mlp, n, _linear(weights, p + "mlp." + n, False))
 
 
+def spread_layers(num_layers: int, keep: int) -> list[int]:
+    """``keep`` of ``num_layers`` layers, evenly spaced, the first and the last among them (the
+    first reads the embedding, the last writes what the head reads)."""
+    if not 1 <= keep <= num_layers:
+        raise ConfigError(f"--draft-layers must be between 1 and the draft's {num_layers} layers, got {keep}",
+                          "draft_layers")
+    if keep == 1:
+        return [num_layers - 1]
+    return sorted({round(i * (num_layers - 1) / (keep - 1)) for i in range(keep)})
+
+
 def check_trainable(c) -> None:
     """TrainableDraft's forward is a Llama / Qwen2 layer with plain rotary embeddings and full
     attention: another model is refused before anything is trained."""
@@ -77,17 +95,21 @@ class TrainableDraft(torch.nn.Module):
     """A llama / qwen2 model's weights as float32 parameters, with a forward; its state-dict keys
     are the Hugging Face weight names."""
 
-    def __init__(self, model):
+    def __init__(self, model, keep_layers: list[int] | None = None):
         super().__init__()
-        c = self.config = model.config
+        c = model.config
         check_trainable(c)
+        keep = list(range(c.num_layers)) if keep_layers is None else list(keep_layers)
+        if not keep or sorted(set(keep)) != keep or keep[0] < 0 or keep[-1] >= c.num_layers:
+            raise ConfigError(f"the layers to keep must be increasing indices in 0..{c.num_layers - 1} of "
+                              f"{c.name or 'the draft'}'s {c.num_layers}, got {keep_layers}", "draft_layers")
+        c = self.config = dataclasses.replace(c, num_layers=len(keep))
         w = model.weights
         self.model = torch.nn.Module()
         embed = w["model.embed_tokens.weight"]
         self.model.embed_tokens = torch.nn.Embedding(embed.shape[0], embed.shape[1], device="meta")
         self.model.embed_tokens.weight = _dense(embed)
-        self.model.layers = torch.nn.ModuleList(_Layer(w, f"model.layers.{i}.", c.attention_bias)
-                                                for i in range(c.num_layers))
+        self.model.layers = torch.nn.ModuleList(_Layer(w, f"model.layers.{i}.", c.attention_bias) for i in keep)
         self.model.norm = _Norm(w["model.norm.weight"])
         if not c.tie_word_embeddings:
             self.lm_head = _linear(w, "lm_head", False)
@@ -172,17 +194,18 @@ def add_lora(module: TrainableDraft, rank: int, alpha: float, targets=LORA_TARGE
 
 def train(target, draft, windows, out_dir: str | Path, steps: int = 500, batch_size: int = 2, lr: float = 2e-5,
           seed: int = 0, progress: bool = True, mixed: bool = True, lora_rank: int = 0, lora_alpha: float | None = None,
-          lora_targets=LORA_TARGETS) -> tuple[TrainableDraft, list[float]]:
+          lora_targets=LORA_TARGETS, keep_layers: list[int] | None = None) -> tuple[TrainableDraft, list[float]]:
     """Distill ``draft`` (a LoadedModel with dense weights) towards ``target`` on ``windows`` and
     save it as a model directory in ``out_dir``.
 
     ``lora_rank`` > 0 trains LoRA adapters (alpha default 2 x rank) on ``lora_targets`` instead of
     every weight, and merges them into the weights before saving: the saved draft has the stock
-    draft's shape and runs through the engine's decoder at full speed, with no adapter math."""
+    draft's shape and runs through the engine's decoder at full speed, with no adapter math.
+    ``keep_layers``: the draft's layers to keep (None: all), the rest dropped before training."""
     from quickdraft.proposers.draft.load import check_same_vocabulary
 
     check_same_vocabulary(target, draft)
-    module = TrainableDraft(draft)
+    module = TrainableDraft(draft, keep_layers)
     tuning = {"method": "full"}
     checkpoint = Path(out_dir) / "checkpoint.pt"
     if lora_rank > 0:
@@ -195,8 +218,10 @@ def train(target, draft, windows, out_dir: str | Path, steps: int = 500, batch_s
                  checkpoint, "distilling the draft", seed, progress, save_every=100, mixed=mixed)
     if lora_rank > 0:
         module = peft_model.merge_and_unload()
-    save_dir(module, draft.tokenizer, out_dir, {"distilled_from": draft.source, "target": target.source,
-                                                   "tuning": tuning})
+    meta = {"distilled_from": draft.source, "target": target.source, "tuning": tuning}
+    if keep_layers is not None:
+        meta["kept_layers"] = list(keep_layers)  # the stock draft's indices of the saved layers 0, 1, ...
+    save_dir(module, draft.tokenizer, out_dir, meta)
     return module, losses
 
 

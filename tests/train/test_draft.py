@@ -127,6 +127,51 @@ def test_distilled_draft_loads_and_drafts_better(pair, tmp_path, lora_rank):
     assert accepted["distilled"] > 1.5 * accepted["stock"] > 0
 
 
+def test_a_layer_dropped_draft_keeps_the_layers_asked_for_and_stays_lossless(pair, tmp_path):
+    """--draft-layers: the kept layers, renumbered from 0, compute what those layers of the stock
+    draft compute; trained and saved, the draft has that many layers, says which it kept, loads as
+    a draft, and speculative output is plain decoding's."""
+    from quickdraft.errors import ConfigError
+    from quickdraft.train.cli import _kept_layers
+
+    target, draft = pair
+    assert draft.config.num_layers == 2
+    dropped = distill.TrainableDraft(draft, [1])
+    assert dropped.config.num_layers == 1 and draft.config.num_layers == 2  # the stock config is left alone
+    renamed = {k.replace("model.layers.1.", "model.layers.0."): v for k, v in draft.weights.items()
+               if not k.startswith("model.layers.0.")}
+    one = LoadedModel(dropped.config, renamed, draft.tokenizer, "one-layer")
+    tokens = torch.tensor([[5, 17, 33, 2, 9, 40, 41, 100]])
+    d = Decoder(one.config, one.weights)
+    kv = KVCache(one.config, 1, 16, torch.float32, "cpu")
+    meta = AttentionMetadata.chain([0], [0], [8])
+    torch.testing.assert_close(dropped(tokens)[0], d.logits(d.forward(tokens[0], meta.positions("cpu"), kv, meta)),
+                               rtol=1e-4, atol=1e-4)
+    for wrong in ([], [1, 0], [2], [-1], [0, 0]):
+        with pytest.raises(ConfigError, match="increasing indices in 0..1"):
+            distill.TrainableDraft(draft, wrong)
+    assert _kept_layers(None, 24) is None and _kept_layers("12", 24) == distill.spread_layers(24, 12)
+    assert distill.spread_layers(24, 12) == [0, 2, 4, 6, 8, 10, 13, 15, 17, 19, 21, 23]
+    assert _kept_layers("0,5,23", 24) == [0, 5, 23] and _kept_layers("5,", 24) == [5]
+    with pytest.raises(ConfigError, match="between 1 and the draft's 24 layers"):
+        _kept_layers("25", 24)
+    with pytest.raises(ConfigError, match="a count or comma-separated layer indices"):
+        _kept_layers("half", 24)
+
+    module, losses = distill.train(target, draft, _windows(target, 4), tmp_path / "draft", steps=10, batch_size=2,
+                                   lr=3e-3, progress=False, keep_layers=[1])
+    tuned = load_model(str(tmp_path / "draft"), torch.float32)
+    assert tuned.config.num_layers == 1 and not any(k.startswith("model.layers.1.") for k in tuned.weights)
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["quickdraft"]["kept_layers"] == [1]
+    test = _prompts(3)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(target, dtype="float32").generate(test, params)]
+    llm = LLM(target, dtype="float32", speculative_config={"method": "draft_model", "model": str(tmp_path / "draft"),
+                                                          "num_speculative_tokens": 3, "adaptive": False})
+    assert [o.token_ids for o in llm.generate(test, params)] == base
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
 def test_a_lora_checkpoint_holds_the_adapters_and_resumes(pair, tmp_path):
     """The checkpoint keeps what trains (the adapters), not the frozen draft; a rerun of the same
     run loads it back over a fresh copy of the stock draft and has nothing left to do."""
