@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from quickdraft.evaluation import datasets
 from quickdraft.errors import ConfigError
+from quickdraft.evaluation import datasets
 
 
 def test_humaneval_reads_all_164_completion_prompts():

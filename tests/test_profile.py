@@ -7,9 +7,9 @@ import json
 import pytest
 
 from quickdraft.commands.cli import main
-from quickdraft.models.pass_cost import LinearCost
 from quickdraft.commands.profile import predict
 from quickdraft.kernels import native_decoder
+from quickdraft.models.pass_cost import LinearCost
 
 
 def test_predict_turns_speculation_off_where_rows_are_dear():

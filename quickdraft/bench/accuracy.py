@@ -89,8 +89,8 @@ def compare_logits(ref: torch.Tensor, test: torch.Tensor) -> dict[str, torch.Ten
 def teacher_forced(ref, test, ids: list[int], chunk: int = 128) -> dict[str, torch.Tensor]:
     """Two Decoders over one token sequence in prefill passes of ``chunk`` tokens, each with its
     own KV cache -> compare_logits' measures at every position [len(ids)]."""
-    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import AttentionMetadata
+    from quickdraft.models.kv_cache import KVCache
 
     caches = [KVCache(d.config, 1, len(ids), d.dtype, d.device) for d in (ref, test)]
     tokens = torch.tensor(ids, dtype=torch.long)

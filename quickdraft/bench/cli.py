@@ -194,10 +194,10 @@ def _configs(text: str | None) -> list[dict]:
 
 
 def build_config(settings: dict, args):
-    from quickdraft.evaluation.datasets import BUILTIN
     from quickdraft.bench.harness import BenchConfig, Variant, variants
     from quickdraft.bench.peers import PEERS
     from quickdraft.config import METHODS, SpeculativeConfig
+    from quickdraft.evaluation.datasets import BUILTIN
 
     methods = _names(settings["methods"])
     bad = [m for m in methods if m not in METHODS]

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from quickdraft.evaluation import datasets, stats
 from quickdraft.bench.floor import PROBE_MIB, PROBE_REPEATS, floor
 from quickdraft.config import TREE_METHODS, EngineConfig
 from quickdraft.errors import ConfigError
+from quickdraft.evaluation import datasets, stats
 from quickdraft.evaluation.measure import RssSampler, measure_bandwidth, summarize, top2_margin
 from quickdraft.models.config import activation_dtype
 from quickdraft.models.decoder import nbytes

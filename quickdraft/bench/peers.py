@@ -46,10 +46,10 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from quickdraft.evaluation import stats
 from quickdraft.bench.llama_server import parse_system_info
 from quickdraft.bench.peer_method import COUNTERPART, PeerMethod
 from quickdraft.bench.summary import ALL, groups
+from quickdraft.evaluation import stats
 
 PEERS = ("transformers", "llama_cpp", "llama_server")
 LLAMA_CPP_PEERS = ("llama_cpp", "llama_server")  # the peers that are llama.cpp

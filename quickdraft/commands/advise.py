@@ -131,8 +131,8 @@ def memory(engine, context: int, batch: int, k: int) -> dict:
     KV, and what its proposer adds (draft weights and KV, the suffix trie's bound), and the scratch
     of one pass: plain decoding's ``batch`` rows, a verification pass's ``batch * (K + 1)``
     (estimated from shapes: float32 logits and the layer's widest activations, per row)."""
-    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import nbytes
+    from quickdraft.models.kv_cache import KVCache
 
     def scratch(config, rows: int, itemsize: int) -> int:
         return rows * (4 * config.vocab_size + itemsize * (4 * config.hidden_size + 3 * config.intermediate_size))

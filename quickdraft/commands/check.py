@@ -76,9 +76,9 @@ def check(args) -> int:
     from tqdm import tqdm
 
     from quickdraft import LLM
-    from quickdraft.evaluation.datasets import render, user_jsonl
     from quickdraft.config import EngineConfig, SpeculativeConfig
     from quickdraft.errors import ConfigError
+    from quickdraft.evaluation.datasets import render, user_jsonl
     from quickdraft.models.loader import load_model
 
     spec = SpeculativeConfig.parse(args.speculative_config)

@@ -8,8 +8,8 @@ import sys
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.evaluation.datasets import humaneval
 from quickdraft.errors import QuickdraftError
+from quickdraft.evaluation.datasets import humaneval
 from quickdraft.evaluation.measure import summarize
 from quickdraft.models.loader import load_model
 

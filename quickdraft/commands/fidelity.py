@@ -109,8 +109,8 @@ class Tally:
 
 def our_logits(decoder, chunk: list[int]) -> torch.Tensor:
     """Logits [len(chunk), V] of one chunk from position 0, through ``decoder`` (a Decoder)."""
-    from quickdraft.models.kv_cache import KVCache
     from quickdraft.models.decoder import AttentionMetadata
+    from quickdraft.models.kv_cache import KVCache
 
     kv = KVCache(decoder.config, 1, len(chunk), decoder.dtype, device=decoder.device)
     meta = AttentionMetadata.chain([0], [0], [len(chunk)])

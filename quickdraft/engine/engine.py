@@ -23,9 +23,9 @@ from quickdraft.engine.sequence import RequestOutput, Sequence, SpecStats
 from quickdraft.engine.stops import StopRules
 from quickdraft.engine.threads import governor
 from quickdraft.errors import ConfigError, PromptTooLongError
-from quickdraft.models.kv_cache import KVCache, fit_max_model_len, free_memory
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.ggml import on_blocks
+from quickdraft.models.kv_cache import KVCache, fit_max_model_len, free_memory
 from quickdraft.models.loader import LoadedModel, load_model
 from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.proposers.base import ProposerContext, create_proposer

@@ -10,10 +10,10 @@ import pytest
 from quickdraft.bench import cli as bench_cli
 from quickdraft.bench import peers
 from quickdraft.bench.harness import BenchConfig, Harness, Request, Variant, variants
-from quickdraft.evaluation.measure import top2_margin
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.errors import ConfigError
+from quickdraft.evaluation.measure import top2_margin
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config

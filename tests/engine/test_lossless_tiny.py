@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
-from quickdraft.engine.plan import TRUSTED_PASSES
-from quickdraft.models.pass_cost import LinearCost
 from quickdraft.engine.engine import Engine
+from quickdraft.engine.plan import TRUSTED_PASSES
 from quickdraft.errors import ConfigError
 from quickdraft.models.loader import LoadedModel
+from quickdraft.models.pass_cost import LinearCost
 from quickdraft.models.tiny import never_agreeing, perturbed, random_weights, tiny_config
 from quickdraft.sampling import SamplingParams
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
-from quickdraft.engine.plan import TreeChoice, plan_tree_sizes
-from quickdraft.models.pass_cost import LinearCost
 from quickdraft.engine.engine import Engine
+from quickdraft.engine.plan import TreeChoice, plan_tree_sizes
 from quickdraft.engine.sequence import Sequence
 from quickdraft.errors import ConfigError
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.loader import LoadedModel
+from quickdraft.models.pass_cost import LinearCost
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.proposers.base import DraftProposal
 from quickdraft.proposers.draft.model import DraftModelProposer

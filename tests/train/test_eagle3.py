@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from quickdraft.evaluation.stats import tv_test
 from quickdraft.errors import ConfigError
+from quickdraft.evaluation.stats import tv_test
 from quickdraft.models import eagle3 as head_file
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights
-from quickdraft.proposers.heads.eagle3 import Eagle3Proposer
 from quickdraft.proposers.heads.common import embed_rows
+from quickdraft.proposers.heads.eagle3 import Eagle3Proposer
 from quickdraft.sampling import SamplingParams
 from quickdraft.train import eagle3 as trainer
 from tests.train.conftest import CONFIG, PROMPTS, TARGET, run

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from quickdraft.evaluation.stats import tv_test
 from quickdraft.errors import ConfigError
+from quickdraft.evaluation.stats import tv_test
 from quickdraft.models import medusa as head_file
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights

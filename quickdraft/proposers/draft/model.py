@@ -42,9 +42,9 @@ import time
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from quickdraft.models.pass_cost import calibrate, key_reads
-from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import MAX_ROW_BY_ROW, AttentionMetadata, Decoder
+from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft.load import MAX_OBSERVED_FEED, draft_pass, load_draft
 from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab

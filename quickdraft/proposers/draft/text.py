@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.errors import ConfigError
-from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import Decoder
+from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.proposers.base import DraftProposal
 from quickdraft.proposers.draft.load import MAX_OBSERVED_FEED, draft_pass, load_draft
 from quickdraft.proposers.draft.retokenize import Bridge, common_prefix

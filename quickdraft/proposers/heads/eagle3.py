@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from quickdraft.models.pass_cost import LinearCost, calibrate
 from quickdraft.models import eagle3 as head_file
+from quickdraft.models.pass_cost import LinearCost, calibrate
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.heads.common import embed_rows, head_bytes, resolve_dir, sample_rows, serving_head
 from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
