@@ -13,8 +13,8 @@ Six bounds, each checked before the next step would pay for what it guards:
   and the tokenizer refuses with a TypeError; a 400 naming the field;
 - *counts*: a model name longer than ``MAX_MODEL_NAME_CHARS``, more messages or prompt token ids
   than the context holds tokens (each message takes at least one), more logit_bias keys than the
-  vocabulary has tokens, are refused from the decoded JSON, before validation builds an object of
-  each or a chat template renders them;
+  vocabulary has tokens, more tools than ``MAX_TOOLS``, are refused from the decoded JSON, before
+  validation builds an object of each or a chat template renders them;
 - *prompt length*: a text's UTF-8 byte count bounds its token count from below (``PromptBound``),
   so a text that cannot fit the context is refused without tokenizing it.
 
@@ -50,6 +50,9 @@ OFF_LOOP_BYTES = 2**20
 # A served model's name (a path, a Hugging Face id) is far shorter; a longer one is refused rather
 # than looked up and echoed back.
 MAX_MODEL_NAME_CHARS = 1024
+# OpenAI's API takes at most 128 tools a request ("array_above_max_length"); more were validated
+# and rendered through the chat template before the prompt's length refused them (5,000: seconds)
+MAX_TOOLS = 128
 # Above nginx's default (four 8 KiB buffers) and any API key or cookie seen in practice.
 MAX_HEADER_BYTES = 32 * 2**10
 # A body this large has memory returned to the system once its request is done, TRIM_DELAY_S later
@@ -93,8 +96,9 @@ def _decode(raw: bytes) -> Any:
 
 def check_counts(body: Any, max_model_len: int, vocab_size: int) -> None:
     """A 400 for a decoded body whose model name is too long, whose messages or prompt token ids
-    outnumber the tokens the context holds, or whose logit_bias has more keys than the vocabulary
-    has tokens: found from the lengths alone, before validation."""
+    outnumber the tokens the context holds, whose logit_bias has more keys than the vocabulary
+    has tokens, or whose tools are more than MAX_TOOLS: found from the lengths alone, before
+    validation."""
     if not isinstance(body, dict):
         return
     model = body.get("model")
@@ -113,6 +117,10 @@ def check_counts(body: Any, max_model_len: int, vocab_size: int) -> None:
     if isinstance(bias, dict) and len(bias) > vocab_size:
         raise APIError(400, f"logit_bias has {len(bias)} keys, but the vocabulary has {vocab_size} tokens",
                        param="logit_bias")
+    tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise APIError(400, f"the request has {len(tools)} tools; at most {MAX_TOOLS} are supported",
+                       param="tools", code="array_above_max_length")
 
 
 class HeaderLimit:

@@ -1,5 +1,6 @@
 """Hostile inputs: a body past --max-body-bytes, a 1 MB model name, 20,000 messages, a million
-prompt token ids, a logit_bias with more keys than the vocabulary has tokens, 64 KB of headers.
+prompt token ids, a logit_bias with more keys than the vocabulary has tokens, 5,000 tools, 64 KB of
+headers.
 Each is refused (413 or 400, in OpenAI's error format, from the lengths alone) and the server
 serves the next request as before. examples/hostile_inputs.py measures the memory they leave."""
 
@@ -26,6 +27,9 @@ HOSTILE = [  # (id, path, body, status, OpenAI error code)
      "context_length_exceeded"),
     ("logit_bias past the vocabulary", C, json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1,
                                                       "logit_bias": {str(i): 1 for i in range(60_000)}}), 400, 400),
+    ("5,000 tools", CHAT, json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                      "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}}
+                                                for i in range(5_000)]}), 400, "array_above_max_length"),
 ]
 
 
