@@ -4,8 +4,14 @@ its whole path, the most valuable nodes of a level are expanded, and the most va
 are proposed (a node's value never exceeds its parent's, so they form a tree). The runner may trim
 them further to the rows that pay (engine/plan.py, plan_tree_sizes).
 
-Greedy requests only: the tree verifier (verify/tree.py) tests each sampled child as drawn from q,
-and a tree whose shape is chosen by the probabilities of its own draws would bias that test.
+That is for greedy requests. For a sampled one the tree verifier (verify/tree.py) tests each child
+as a draw from q, the siblings drawn one after another without replacement, so a tree whose shape
+were chosen by the probabilities of its own draws (keep the likeliest children, trim the unlikely
+ones) would bias that test. A sampled tree (``sampled_children``, ``to_expand_sampled``; the draft
+model grows them) is shaped before each draw instead, SpecInfer's way (Miao et al. 2024): which
+node gets children, and how many, is decided from the nodes already drawn (their values), then the
+children are drawn from the node's q without replacement, and every node drawn is proposed, with
+the q it was drawn from, untrimmed.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from quickdraft.proposers.base import DraftProposal, accepts_trees, most_valuable
+from quickdraft.sampling import BatchSampling, draw_uniforms, logits_to_probs, sample_from_probs
 
 
 class DraftTreeState:
@@ -28,13 +35,15 @@ class DraftTreeState:
         self.probs: list[float] = []  # the draft's probability of the node's token after its parent
         self.values: list[float] = []  # the product of the calibrated probabilities on its path
         self.fed: list[int] = []  # node -> index among the nodes expanded (written to a draft cache), or -1
+        self.q: list[torch.Tensor | None] = []  # node -> the q [vocab] it was drawn from (sampled trees), or None
         self.kids: dict[int, list[int]] = {}  # node (-1: the root) -> its children
         self.written = 0
 
-    def add_children(self, parent: int, row: list[tuple[int, float]], calibration: "EdgeCalibration") -> None:
-        """Children of ``parent`` from the draft's (token, probability) pairs, likeliest first, each
-        edge's probability scaled by ``calibration`` at its depth; a token the draft gives no
-        probability is left out."""
+    def add_children(self, parent: int, row: list[tuple[int, float]], calibration: "EdgeCalibration",
+                     q: torch.Tensor | None = None) -> None:
+        """Children of ``parent`` from the draft's (token, probability) pairs, likeliest first (or in
+        the order drawn, from ``q``: a sampled tree), each edge's probability scaled by
+        ``calibration`` at its depth; a token the draft gives no probability is left out."""
         value = 1.0 if parent < 0 else self.values[parent]
         depth = 1 if parent < 0 else self.depth[parent] + 1
         scale = calibration.scale(depth)
@@ -48,6 +57,7 @@ class DraftTreeState:
             self.probs.append(p)
             self.values.append(value * min(1.0, scale * p))
             self.fed.append(-1)
+            self.q.append(q)
 
     def to_expand(self, depth: int, branches: int, size: int, room: int) -> list[int]:
         """The nodes of level ``depth`` to expand next (marked fed, in feeding order): the
@@ -62,6 +72,27 @@ class DraftTreeState:
             self.written += 1
         return pick
 
+    def to_expand_sampled(self, depth: int, branches: int, size: int, room: int) -> list[tuple[int, int]]:
+        """A sampled tree's next level, decided before any of it is drawn: (node, children to draw)
+        for the most valuable node of level ``depth`` (marked fed), ``branches`` children while the
+        tree stays within ``size`` nodes and the cache's ``room``. One node a level makes the tree a
+        chain of K levels with ``branches`` candidates at each, a second chance at every position
+        where a wide tree would spend its N nodes near the root. Every node drawn is proposed
+        (``drawn``), so the size is kept here, not by a trim."""
+        left = size - len(self.tokens)
+        frontier = [n for n, d in enumerate(self.depth) if d == depth]
+        if left <= 0 or not frontier or self.written >= room:
+            return []
+        n = min(frontier, key=lambda n: (-self.values[n], n))
+        self.fed[n] = self.written
+        self.written += 1
+        return [(n, min(branches, left))]
+
+    def drawn(self) -> tuple[list[int], list[int], None, list[torch.Tensor]]:
+        """A sampled tree's proposal: every node, in the order drawn (a parent before its children),
+        no values (the runner trims nothing of it) and the q each node was drawn from."""
+        return list(self.tokens), list(self.parents), None, list(self.q)
+
     def best(self, size: int) -> tuple[list[int], list[int], list[float]]:
         """The ``size`` most valuable nodes in the order they were made (ties to the earlier node,
         so that every kept node's parent is kept): (tokens, parents among them, values)."""
@@ -72,7 +103,8 @@ class DraftTreeState:
 
     def walk(self, tokens: list[int], accepted: int) -> list[int]:
         """The nodes of the accepted path: the first ``accepted`` of ``tokens``, child by child
-        (siblings hold distinct tokens: each is one of its parent's likeliest)."""
+        (siblings hold distinct tokens: each is one of its parent's likeliest, or drawn without
+        replacement)."""
         path, node = [], -1
         for token in tokens[:accepted]:
             node = next(c for c in self.kids.get(node, []) if self.tokens[c] == token)
@@ -134,39 +166,66 @@ class EdgeCalibration:
             self.expected[j] = self.decay * self.expected[j] + sum(tree.probs[c] for c in kids)
 
 
-def merged_proposal(chains: DraftProposal, trees: dict[int, tuple[list[int], list[int], list[float]]],
-                    batch: int) -> DraftProposal:
-    """One proposal: sequence i's tree where ``trees`` has it (tokens, parents, values), else its
-    chain from ``chains``. Trees are drafted for greedy requests only, whose verification never
-    reads q: where the chains carry q, a tree node's row is its token's point mass."""
+def merged_proposal(chains: DraftProposal, trees: dict[int, tuple], batch: int) -> DraftProposal:
+    """One proposal: sequence i's tree where ``trees`` has it (tokens, parents, values[, q rows]),
+    else its chain from ``chains``. A greedy request's tree is verified without q: where the
+    proposal carries q, its nodes' rows are their tokens' point masses. A sampled request's tree
+    carries the q [vocab] each node was drawn from (DraftTreeState.drawn); then every row needs q,
+    and a greedy chain's, never read, is left zero."""
     chains = chains.spread()
+    sampled = [t[3] for t in trees.values() if len(t) > 3 and t[3] is not None]
+    like = chains.probs if chains.probs is not None else (sampled[0][0] if sampled else None)
     flat, counts, parents, values, probs, at = [], [], [], [], [], 0
     for i in range(batch):
         k = chains.num_tokens[i]
         if i in trees:
-            tokens, tree, value = trees[i]
+            tokens, tree, value, *q = trees[i]
             flat += tokens
             parents.append(tree)
             values.append(value)
-            if chains.probs is not None:
-                probs.append(torch.nn.functional.one_hot(torch.tensor(tokens), chains.probs.shape[1]).to(chains.probs))
+            if like is not None:
+                probs.append(torch.stack(q[0]).to(like) if q and q[0] is not None else
+                             torch.nn.functional.one_hot(torch.tensor(tokens), like.shape[-1]).to(like))
         else:
             flat += chains.token_ids[at : at + k].tolist()
             parents.append(None)
             values.append(None)
-            if chains.probs is not None:
-                probs.append(chains.probs[at : at + k])
+            if like is not None:
+                probs.append(chains.probs[at : at + k] if chains.probs is not None else like.new_zeros(k, like.shape[-1]))
         counts.append(len(flat) - sum(counts))
         at += k
     return DraftProposal(torch.tensor(flat, dtype=torch.long), counts, torch.cat(probs) if probs else None,
                          parents, values)
 
 
-def tree_requests(seqs, num_tokens: list[int], branching: bool | None) -> list[int]:
+def tree_requests(seqs, num_tokens: list[int], branching: bool | None, sampled: bool = False) -> list[int]:
     """The sequences that draft a tree this step: those with drafts to make, while the proposer
-    is ``branching``, greedy and free of what needs chains (base.accepts_trees)."""
-    return [i for i, k in enumerate(num_tokens) if k > 0 and branching and seqs[i].params.greedy
+    is ``branching``, free of what needs chains (base.accepts_trees), and greedy unless the
+    proposer grows ``sampled`` trees too."""
+    return [i for i, k in enumerate(num_tokens) if k > 0 and branching and (sampled or seqs[i].params.greedy)
             and accepts_trees(seqs[i].params)]
+
+
+def sampled_children(logits: torch.Tensor, seq, count: int, head_ids: torch.Tensor | None,
+                     vocab_size: int) -> tuple[list[tuple[int, float]], torch.Tensor]:
+    """``count`` children of a sampled tree's node: drawn one after another without replacement
+    from the draft's q after it (``logits`` [N] over the draft head's rows, shaped by the request's
+    temperature, top-k, top-p and min-p), with the request's generator. -> ((token, q(token)) in
+    the order drawn, fewer where q has fewer tokens; q over the vocabulary, zero outside a
+    truncated head), the distribution verify/tree.py tests the first child against, taking each
+    rejected one out of it for the next."""
+    rows = BatchSampling.from_params([seq.params], logits.device)
+    q = logits_to_probs(logits.unsqueeze(0), rows.temperature, rows.top_k, rows.top_p, rows.min_p)[0]
+    left, out = q.clone(), []
+    for u in draw_uniforms(seq.generator, count):
+        if not bool(left.gt(0).any()):
+            break
+        row = int(sample_from_probs(left.unsqueeze(0), u.view(1).to(left.device))[0])
+        out.append((row if head_ids is None else int(head_ids[row]), float(q[row])))
+        left[row] = 0.0
+    if head_ids is not None:
+        q = q.new_zeros(vocab_size).index_copy_(0, head_ids.to(q.device), q)
+    return out, q
 
 
 def chains_and_trees(seqs, num_tokens: list[int], grow: list[int], chains, trees) -> DraftProposal:

@@ -1,7 +1,8 @@
 """Token trees from a draft model (proposers/draft/model.py, ``num_branches`` > 1), on tiny random
 models in float32: the tree's shape, its identity with the chain at one branch, the draft cache
 after a tree (the accepted path's keys moved into place, bit for bit what a fresh draft computes),
-greedy output equal to plain decoding, and the planner that trims a tree to the rows that pay
+greedy output equal to plain decoding, sampled trees shaped before their draws and sampled output
+distributed as plain sampling's (with a wrong q detected), and the planner that trims a tree to the rows that pay
 (engine/plan.py's plan_tree_sizes, DraftProposal.trimmed)."""
 
 from __future__ import annotations
@@ -144,11 +145,81 @@ def test_tree_drafts_equal_plain_greedy(plain, adaptive):
         assert any(nodes != list(range(len(nodes))) for nodes in moved)  # a path through a later child
 
 
-def test_sampled_requests_draft_chains_under_a_branching_config():
-    eng = engine({"method": "draft_model", "model": NOISY, "num_speculative_tokens": 3, "num_branches": 3})
-    seqs = sequences(params=SamplingParams(max_tokens=8, temperature=0.8, seed=1))
-    proposal = eng.proposer.propose(seqs, [3, 3, 3])
-    assert proposal.parents is None and proposal.probs is not None
+def test_a_sampled_request_drafts_a_tree_shaped_before_its_draws():
+    """A sampled request under a branching config drafts a tree: the most valuable node of each
+    level expanded, ``num_branches`` distinct children drawn from q without replacement, every
+    node proposed with the q it was drawn from (siblings share it), nothing valued for a trim;
+    the same seed draws the same tree."""
+    def propose(seed):
+        eng = engine({"method": "draft_model", "model": NOISY, "num_speculative_tokens": 3, "num_branches": 3})
+        seqs = sequences(params=SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+        for s in seqs:
+            s.generator.manual_seed(seed)
+        return eng.proposer.propose(seqs, [3, 3, 3])
+
+    proposal = propose(5)
+    assert proposal.parents is not None and proposal.probs is not None and proposal.values == [None] * 3
+    at = 0
+    for i, k in enumerate(proposal.num_tokens):
+        parents, tokens = proposal.parents[i], proposal.token_ids[at : at + k].tolist()
+        q = proposal.probs[at : at + k]
+        assert k == 9  # K x branches: three levels of three
+        kids = {}
+        for n, p in enumerate(parents):
+            kids.setdefault(p, []).append(n)
+        assert len(kids) == 3 and all(len(c) == 3 for c in kids.values())  # one node expanded a level
+        for p, c in kids.items():
+            assert len({tokens[n] for n in c}) == 3  # without replacement
+            assert all(torch.equal(q[n], q[c[0]]) for n in c)  # drawn from one q
+            assert all(q[n, tokens[n]] > 0 for n in c)
+            assert p == -1 or p in kids[parents[p]]
+        assert torch.allclose(q.sum(-1), torch.ones(k))
+        at += k
+    again = propose(5)
+    assert torch.equal(again.token_ids, proposal.token_ids) and again.parents == proposal.parents
+    assert not torch.equal(propose(6).token_ids, proposal.token_ids)
+
+
+def _samples(spec: dict | None, seeds, temperature: float = 10.0) -> list[list[int]]:
+    """8 tokens of PROMPTS[0] for each seed, a batch of 4 at a time. The tiny target is so sure
+    of itself (its top token at 1 - 1e-10) that only a high temperature leaves anything to sample:
+    at 10, its first token is 9 for about 3 seeds in 4, and 9 to 23 tokens are seen a position."""
+    eng = engine(spec)
+    seeds, out = list(seeds), []
+    for a in range(0, len(seeds), 4):
+        params = [SamplingParams(max_tokens=8, temperature=temperature, seed=s, ignore_eos=True) for s in seeds[a : a + 4]]
+        out += [o.token_ids for o in eng.generate_ids([PROMPTS[0]] * len(params), params)]
+    return out
+
+
+SAMPLED_TREES = {"method": "draft_model", "model": NOISY, "num_speculative_tokens": 3, "num_branches": 2}
+
+
+def test_sampled_tree_drafts_follow_the_target():
+    """Rejection sampling over the tree's siblings (verify/tree.py) keeps the target's
+    distribution: per-position TV against plain sampling, beside its permutation null."""
+    from quickdraft.evaluation.stats import tv_test
+
+    plain, speculative = _samples(None, range(160)), _samples(SAMPLED_TREES, range(160, 320))
+    assert tv_test(speculative, plain, 8).p_value > 0.001
+
+
+def test_a_wrong_q_under_sampled_trees_is_detected(monkeypatch):
+    """The test above has power: children drawn from a sharpened q, but q handed on as drawn from
+    the draft's own, over-accepts the draft's likeliest tokens, and the TV test sees it."""
+    from quickdraft.evaluation.stats import tv_test
+    from quickdraft.proposers import tree_drafts
+
+    real = tree_drafts.sampled_children
+
+    def wrong(logits, seq, count, head_ids, vocab_size):
+        children, _ = real(logits * 4.0, seq, count, head_ids, vocab_size)
+        _, q = real(logits, seq, 0, head_ids, vocab_size)
+        return children, q
+
+    monkeypatch.setattr("quickdraft.proposers.draft.model.sampled_children", wrong)
+    plain, speculative = _samples(None, range(160)), _samples(SAMPLED_TREES, range(160, 320))
+    assert tv_test(speculative, plain, 8).p_value < 0.01
 
 
 def test_a_text_draft_takes_no_branches():

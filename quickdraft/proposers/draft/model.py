@@ -24,11 +24,13 @@ argmax and q are over the subset, mapped back to full ids, and q is handed on as
 distribution it is, zero outside the subset. None of them can change the output: only the
 target's verification decides.
 
-With ``num_branches`` > 1 greedy requests draft token trees instead (``_grow_trees``, EAGLE-2's
-dynamic trees, proposers/tree_drafts.py): a level a draft pass for the whole batch, each node over
-its ancestors' keys in the draft cache (the tree attention's hidden keys), and after verification
-the accepted path's keys moved into place (``KVCache.keep_path``), so the next proposal catches
-up exactly as after a chain.
+With ``num_branches`` > 1 requests draft token trees instead (``_grow_trees``, proposers/tree_drafts.py):
+a greedy request EAGLE-2's dynamic tree (its likeliest children, the most valuable nodes kept), a
+sampled one a tree shaped before each draw, its children drawn from q without replacement
+(SpecInfer's), each node handed on with the q it was drawn from. A level is a draft pass for the
+whole batch, each node over its ancestors' keys in the draft cache (the tree attention's hidden
+keys), and after verification the accepted path's keys are moved into place
+(``KVCache.keep_path``), so the next proposal catches up exactly as after a chain.
 
 A draft with another tokenizer is refused here (``check_same_vocabulary``), unless the config asks
 for ``cross_tokenizer``: then ``from_config`` builds proposers/draft/text.py's proposer, which drafts
@@ -48,9 +50,9 @@ from quickdraft.models.pass_cost import calibrate, key_reads
 from quickdraft.proposers.base import DraftProposal, register
 from quickdraft.proposers.draft.load import MAX_OBSERVED_FEED, draft_pass, load_draft
 from quickdraft.proposers.draft_sampling import confident_rows, draw, to_vocab
-from quickdraft.sampling import draw_uniforms, head_columns
-from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, attach_level, chains_and_trees, next_level,
+from quickdraft.proposers.tree_drafts import (DraftTreeState, EdgeCalibration, chains_and_trees, sampled_children,
                                               top_children, tree_requests)
+from quickdraft.sampling import draw_uniforms, head_columns
 
 
 @register("draft_model")
@@ -89,9 +91,9 @@ class DraftModelProposer:
                    num_branches=spec.num_branches)
 
     def propose(self, seqs, num_tokens) -> DraftProposal:
-        """Chains, and with ``num_branches`` > 1 a token tree for each greedy request that takes
-        one (base.accepts_trees; why greedy only: proposers/tree_drafts.py)."""
-        return chains_and_trees(seqs, num_tokens, tree_requests(seqs, num_tokens, self.branching),
+        """Chains, and with ``num_branches`` > 1 a token tree for each request that takes one
+        (base.accepts_trees), greedy or sampled."""
+        return chains_and_trees(seqs, num_tokens, tree_requests(seqs, num_tokens, self.branching, sampled=True),
                                 self._propose_chains, self._grow_trees)
 
     def _propose_chains(self, seqs, num_tokens) -> DraftProposal:
@@ -202,44 +204,65 @@ class DraftModelProposer:
         return DraftProposal(torch.tensor([t for d in drafts for t in d], dtype=torch.long), [len(d) for d in drafts], q_all,
                              probs_columns=self.head_columns if q_all is not None else None)
 
-    def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
-        """A token tree for each sequence, grown as EAGLE-2 does (Li et al. 2024, "dynamic draft
-        trees"): a node's value is the draft's confidence in its whole path (the product of its
-        edges' probabilities, scaled by ``edge_scale`` to what the target accepts); each level
-        expands the ``num_branches`` most valuable nodes of the last one, each with its
-        ``num_branches`` likeliest tokens, in one draft pass for the batch, and stops when no
-        frontier node could still enter the best N; the best N nodes are proposed (a node's value
-        never exceeds its parent's, so they form a tree). ``budgets`` [n]: the planned chain
-        length K, which bounds the depth; N is K x num_branches, within the context. With one
-        branch this is the greedy chain, token for token. -> (tokens, parents, values) each."""
+    def _grow_trees(self, seqs, budgets: list[int]) -> list[tuple]:
+        """A token tree for each sequence. A greedy request's is grown as EAGLE-2 does (Li et al.
+        2024, "dynamic draft trees"): a node's value is the draft's confidence in its whole path
+        (the product of its edges' probabilities, scaled by ``edge_scale`` to what the target
+        accepts); each level expands the ``num_branches`` most valuable nodes of the last one, each
+        with its ``num_branches`` likeliest tokens, and stops when no frontier node could still
+        enter the best N; the best N nodes are proposed (a node's value never exceeds its parent's,
+        so they form a tree). With one branch this is the greedy chain, token for token. A sampled
+        request's expands the most valuable node of each level, drawing its children from q
+        without replacement, at most N nodes in all, and proposes every node with its q
+        (tree_drafts.sampled_children, DraftTreeState.to_expand_sampled). ``budgets`` [n]: the
+        planned chain length K, which bounds the depth; N is K x num_branches, within the context.
+        Each level is one draft pass for the batch. -> (tokens, parents, values[, q rows]) each."""
         B = self.branches
         feeds = [s.token_ids[self._cached[s.slot]:] for s in seqs]
         trees = [DraftTreeState(self._cached[s.slot] + len(f)) for s, f in zip(seqs, feeds)]
         room = [self.kv.max_len - t.base - 1 for t in trees]
         sizes = [max(1, min(k * B, r)) for k, r in zip(budgets, room)]
+        sampled = [not s.params.greedy for s in seqs]
         started = time.perf_counter()
         logits = self._forward(seqs, feeds)  # [n, N] after each sequence's last committed token
         self._observe_pass(started, seqs, feeds)
-        for t, row in zip(trees, self._children(logits)):
-            t.add_children(-1, row, self.edge_scale)
+        for i, row in enumerate(logits):
+            self._attach(trees[i], -1, row, seqs[i], min(B, sizes[i]) if sampled[i] else B)
         for depth in range(1, max(budgets)):
-            grow = next_level(trees, depth, B, sizes, room, budgets)  # (sequence, nodes to expand)
+            grow = []  # (sequence, [(node to expand, children to draw)])
+            for i, t in enumerate(trees):
+                if depth < budgets[i]:
+                    picks = (t.to_expand_sampled(depth, B, sizes[i], room[i]) if sampled[i] else
+                             [(n, B) for n in t.to_expand(depth, B, sizes[i], room[i])])
+                    if picks:
+                        grow.append((i, picks))
             if not grow:
                 break
             started = time.perf_counter()
-            logits = tree_pass(self.model, self.kv, [seqs[i].slot for i, _ in grow], [trees[i] for i, _ in grow],
-                               [nodes for _, nodes in grow])
+            levels = [[n for n, _ in picks] for _, picks in grow]
+            logits = tree_pass(self.model, self.kv, [seqs[i].slot for i, _ in grow], [trees[i] for i, _ in grow], levels)
             if self.cost is not None:
-                rows = sum(len(nodes) for _, nodes in grow)
-                keys = sum(key_reads(trees[i].base + trees[i].written - len(nodes), len(nodes)) for i, nodes in grow)
+                rows = sum(len(nodes) for nodes in levels)
+                keys = sum(key_reads(trees[i].base + trees[i].written - len(nodes), len(nodes))
+                           for (i, _), nodes in zip(grow, levels))
                 self.cost.observe(rows, time.perf_counter() - started, len(grow), keys)
-            attach_level(trees, grow, self._children(logits), self.edge_scale)
+            rows = iter(logits)
+            for i, picks in grow:
+                for node, count in picks:
+                    self._attach(trees[i], node, next(rows), seqs[i], count)
         for s, t in zip(seqs, trees):
             self._trees[s.slot] = t
-        return [t.best(n) for t, n in zip(trees, sizes)]
+        return [t.drawn() if sampled[i] else t.best(n) for i, (t, n) in enumerate(zip(trees, sizes))]
 
-    def _children(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
-        return top_children(logits, self.branches, self.head_ids)
+    def _attach(self, tree: DraftTreeState, parent: int, logits: torch.Tensor, seq, count: int) -> None:
+        """``parent``'s children from the draft's ``logits`` [N] after it: its ``num_branches``
+        likeliest tokens for a greedy request, ``count`` drawn from q for a sampled one."""
+        if seq.params.greedy:
+            tree.add_children(parent, top_children(logits.unsqueeze(0), self.branches, self.head_ids)[0],
+                              self.edge_scale)
+        else:
+            children, q = sampled_children(logits, seq, count, self.head_ids, self.model.config.vocab_size)
+            tree.add_children(parent, children, self.edge_scale, q)
 
     def _observe_pass(self, started: float, seqs, feeds) -> None:
         """A draft pass that fed ``feeds`` timed for the cost model (unless it read a long catch-up)."""
