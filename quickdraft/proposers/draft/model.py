@@ -261,7 +261,7 @@ class DraftModelProposer:
             tree.add_children(parent, top_children(logits.unsqueeze(0), self.branches, self.head_ids)[0],
                               self.edge_scale)
         else:
-            children, q = sampled_children(logits, seq, count, self.head_ids, self.model.config.vocab_size)
+            children, q = sampled_children(logits, seq, count, self.head_ids, self.vocab_size)
             tree.add_children(parent, children, self.edge_scale, q)
 
     def _observe_pass(self, started: float, seqs, feeds) -> None:
