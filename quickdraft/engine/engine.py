@@ -142,8 +142,12 @@ class Engine:
         results = self.runner.step(seqs, ks, self._forced_room(seqs))
         outputs = [self._postprocess(r) for r in results]
         if decoding:
-            seconds = time.perf_counter() - started + (sum(s.draft_read_charge for s in seqs) if speculate else 0.0)
-            self.switch.record(len(seqs), speculate, sum(len(r.token_ids) for r in results), seconds)
+            # a step the plan gave no drafts is plain decoding, whatever the mode: counted as
+            # speculation, it would let a batch size where the plan never drafts look as if
+            # speculating there paid (SpeculationSwitch.pays) and read every new prompt into the draft
+            drafted = speculate and any(ks)
+            seconds = time.perf_counter() - started + (sum(s.draft_read_charge for s in seqs) if drafted else 0.0)
+            self.switch.record(len(seqs), drafted, sum(len(r.token_ids) for r in results), seconds)
         return outputs
 
     def _plain_rate(self, seqs: list[Sequence]) -> float:

@@ -243,8 +243,9 @@ class SpeculationSwitch:
         return not m.on
 
     def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decoding step of ``batch`` sequences that ``speculated`` (its mode, whatever K the
-        plan gave) made ``tokens`` tokens in ``seconds``."""
+        """A decoding step of ``batch`` sequences made ``tokens`` tokens in ``seconds``;
+        ``speculated``: it verified drafts (a step of the speculating mode that the plan gave no
+        drafts is plain decoding, and counts as such)."""
         m = self._batches.get(batch)
         if m is None or seconds <= 0:
             return

@@ -275,6 +275,27 @@ def test_a_batch_size_the_switch_turned_off_decodes_plainly_and_reads_no_prompts
     assert reads and any(k > 0 for n, k in drafted if n == 1)
 
 
+def test_steps_the_plan_gave_no_drafts_count_as_plain_decoding(plain):
+    """Where the plan drafts nothing (a draft pass priced at 10 s), the switch measures plain
+    decoding, not speculation that paid: it never says speculating pays there, and a new batch of
+    prompts is not read into the draft (which it was, 0.38 s of a 10 s run of four clients on the
+    Qwen pair, while 6 draft tokens were proposed in all)."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    spec = {"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3, "adaptive": True}
+    config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=4, speculative=SpeculativeConfig.parse(spec))
+    engine = Engine(config, target=TARGET)
+    engine.runner.target_cost, engine.proposer.cost = FrozenCost(), FrozenCost(a=10.0)
+    reads = []
+    read = engine.proposer.read_prompt
+    engine.proposer.read_prompt = lambda seqs: (reads.append(len(seqs)), read(seqs))[1]
+    for _ in range(2):  # the second batch of prompts arrives after the first was measured
+        assert [o.token_ids for o in engine.generate_ids(PROMPTS, params)] == plain
+    assert engine.stats.num_draft_tokens == 0
+    measured = engine.switch.to_dict()
+    assert measured and all(m["speculative_tok_s"] is None and m["plain_tok_s"] for m in measured.values())
+    assert not any(engine.switch.pays(b) for b in measured) and reads == []
+
+
 def test_free_drafters_have_no_switch():
     """n-gram and suffix drafts cost only the rows they add, which the target's refitted model
     prices: no switch second-guesses them."""
