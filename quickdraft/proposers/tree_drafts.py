@@ -173,7 +173,7 @@ def merged_proposal(chains: DraftProposal, trees: dict[int, tuple], batch: int) 
     carries the q [vocab] each node was drawn from (DraftTreeState.drawn); then every row needs q,
     and a greedy chain's, never read, is left zero."""
     chains = chains.spread()
-    sampled = [t[3] for t in trees.values() if len(t) > 3 and t[3] is not None]
+    sampled = [t[3] for t in trees.values() if len(t) > 3 and t[3]]
     like = chains.probs if chains.probs is not None else (sampled[0][0] if sampled else None)
     flat, counts, parents, values, probs, at = [], [], [], [], [], 0
     for i in range(batch):
@@ -184,7 +184,7 @@ def merged_proposal(chains: DraftProposal, trees: dict[int, tuple], batch: int) 
             parents.append(tree)
             values.append(value)
             if like is not None:
-                probs.append(torch.stack(q[0]).to(like) if q and q[0] is not None else
+                probs.append(torch.stack(q[0]).to(like) if q and q[0] else
                              torch.nn.functional.one_hot(torch.tensor(tokens), like.shape[-1]).to(like))
         else:
             flat += chains.token_ids[at : at + k].tolist()
