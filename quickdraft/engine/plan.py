@@ -184,7 +184,9 @@ class SpeculationSwitch:
     says, a draft's catch-up after a pause) a batch that speculates can run slower than the same
     batch decoding plainly: four clients at a time on the Qwen2.5-Coder pair went 0.87x plain.
     So, as TreeChoice does for trees, each batch size keeps the tokens per second of its whole
-    decoding steps (drafting, the target's pass, verification) in each mode, and runs the faster:
+    decoding steps (drafting, the target's pass, verification), those that verified drafts and
+    those that did not (a step of the speculating mode that the plan gave no drafts counts as
+    plain), and runs the faster mode:
 
     * a batch size starts speculating (the plan decides K), unless a smaller one was measured
       to lose, in which case it starts plain;

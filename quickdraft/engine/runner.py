@@ -36,7 +36,6 @@ from quickdraft.sampling import BatchSampling
 from quickdraft.structured import apply_masks
 from quickdraft.verify.penalties import shape_rows, shapes_logits
 from quickdraft.verify.rejection import VerifyOutput
-from quickdraft.verify.step import finite_rows as _finite_rows  # noqa: F401  (its tests import it from here)
 from quickdraft.verify.step import verify_step
 
 

@@ -8,7 +8,8 @@ import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
-from quickdraft.engine.runner import StepTimes, _finite_rows
+from quickdraft.engine.runner import StepTimes
+from quickdraft.verify.step import finite_rows as _finite_rows
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.sampling import SamplingParams, argmax_finite, argmax_rows
