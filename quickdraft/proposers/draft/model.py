@@ -226,8 +226,7 @@ class DraftModelProposer:
         started = time.perf_counter()
         logits = self._forward(seqs, feeds)  # [n, N] after each sequence's last committed token
         self._observe_pass(started, seqs, feeds)
-        for i, row in enumerate(logits):
-            self._attach(trees[i], -1, row, seqs[i], min(B, sizes[i]) if sampled[i] else B)
+        self._attach(trees, seqs, [(i, -1, min(B, sizes[i]) if sampled[i] else B) for i in range(len(seqs))], logits)
         for depth in range(1, max(budgets)):
             grow = []  # (sequence, [(node to expand, children to draw)])
             for i, t in enumerate(trees):
@@ -246,23 +245,25 @@ class DraftModelProposer:
                 keys = sum(key_reads(trees[i].base + trees[i].written - len(nodes), len(nodes))
                            for (i, _), nodes in zip(grow, levels))
                 self.cost.observe(rows, time.perf_counter() - started, len(grow), keys)
-            rows = iter(logits)
-            for i, picks in grow:
-                for node, count in picks:
-                    self._attach(trees[i], node, next(rows), seqs[i], count)
+            self._attach(trees, seqs, [(i, node, count) for i, picks in grow for node, count in picks], logits)
         for s, t in zip(seqs, trees):
             self._trees[s.slot] = t
         return [t.drawn() if sampled[i] else t.best(n) for i, (t, n) in enumerate(zip(trees, sizes))]
 
-    def _attach(self, tree: DraftTreeState, parent: int, logits: torch.Tensor, seq, count: int) -> None:
-        """``parent``'s children from the draft's ``logits`` [N] after it: its ``num_branches``
-        likeliest tokens for a greedy request, ``count`` drawn from q for a sampled one."""
-        if seq.params.greedy:
-            tree.add_children(parent, top_children(logits.unsqueeze(0), self.branches, self.head_ids)[0],
-                              self.edge_scale)
-        else:
-            children, q = sampled_children(logits, seq, count, self.head_ids, self.vocab_size)
-            tree.add_children(parent, children, self.edge_scale, q)
+    def _attach(self, trees: list[DraftTreeState], seqs, parents: list[tuple[int, int, int]],
+                logits: torch.Tensor) -> None:
+        """Children from the draft's ``logits`` [rows, N], a row for each of ``parents`` (tree,
+        node or -1 for the root, children to draw) in order: a greedy request's node its
+        ``num_branches`` likeliest tokens (one top-k for all such rows), a sampled one's its count
+        drawn from q."""
+        greedy = [r for r, (i, _, _) in enumerate(parents) if seqs[i].params.greedy]
+        top = dict(zip(greedy, top_children(logits[greedy], self.branches, self.head_ids))) if greedy else {}
+        for r, (i, node, count) in enumerate(parents):
+            if r in top:
+                trees[i].add_children(node, top[r], self.edge_scale)
+            else:
+                children, q = sampled_children(logits[r], seqs[i], count, self.head_ids, self.vocab_size)
+                trees[i].add_children(node, children, self.edge_scale, q)
 
     def _observe_pass(self, started: float, seqs, feeds) -> None:
         """A draft pass that fed ``feeds`` timed for the cost model (unless it read a long catch-up)."""
