@@ -89,11 +89,13 @@ def modes(draft: str | None, k: int, lookup_max: int) -> list[Mode]:
     return out
 
 
-def command(exe: str | Path, target: str, mode: Mode, threads: int, n_ctx: int, port: int) -> list[str]:
-    """llama-server's command line for one mode: one slot, the context of quickdraft's engines,
-    everything on the CPU."""
-    cmd = [str(exe), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx), "-np", "1",
-           "-t", str(threads), "-tb", str(threads), "-ngl", "0"]
+def command(exe: str | Path, target: str, mode: Mode, threads: int, n_ctx: int, port: int,
+            slots: int = 1) -> list[str]:
+    """llama-server's command line for one mode: ``slots`` requests decoded at a time (``-np``,
+    continuous batching), each with the context of quickdraft's engines (``-c`` is all the slots'
+    together), everything on the CPU."""
+    cmd = [str(exe), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx * slots),
+           "-np", str(slots), "-t", str(threads), "-tb", str(threads), "-ngl", "0"]
     if mode.method == "draft":
         cmd += ["-td", str(threads), "-tbd", str(threads)]
     return cmd + list(mode.flags)

@@ -57,6 +57,9 @@ def test_command_line(tmp_path):
     assert "--spec-type" not in cmd and "-td" not in cmd
     cmd = ls.command("/bin/llama-server", "/m/t.gguf", with_draft, 3, 2048, 5555)
     assert _flag(cmd, "-td") == _flag(cmd, "-tbd") == "3" and _flag(cmd, "-md") == str(draft)
+    # N slots at a time (-np): each keeps the whole context, and -c is all of theirs together
+    cmd = ls.command("/bin/llama-server", "/m/t.gguf", plain, 3, 2048, 5555, slots=4)
+    assert _flag(cmd, "-np") == "4" and _flag(cmd, "-c") == str(4 * 2048)
 
 
 def test_request_body_is_greedy_token_ids_without_prompt_reuse():
