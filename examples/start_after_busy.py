@@ -6,7 +6,8 @@ Each round: wait until the 1-minute load average is below ``--idle-load``, start
 idle machine, time its requests, stop it; run two busy loops for ``--busy`` seconds, stop them,
 wait ``--wait`` seconds, start a server, time the same requests, stop it. The requests are
 HumanEval prompts sent one at a time to ``/v1/completions`` (greedy, ``--max-tokens`` each, after
-one warm-up request); tokens/s is all their tokens over their wall time. Prints each server's load average at its start, its tokens/s, and the median ratio of the
+one warm-up request); tokens/s is all their tokens over their wall time.
+Prints each server's load average at its start, its tokens/s, and the median ratio of the
 after-busy server to the idle one.
 
     python examples/start_after_busy.py --model qwen2.5-coder-1.5b-instruct \\
