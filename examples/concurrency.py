@@ -42,6 +42,12 @@ def child(model: str, spec: str | None, concurrency: int, prompts: int, max_toke
                       "switch": switch.to_dict() if switch else None}))
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share from their start (the two engines round differently, and
+    a greedy choice between near-equal logits can go either way)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def gguf(name: str) -> str | None:
     """The GGUF file of a built-in model or a path, or None (llama-server reads GGUF only)."""
     from quickdraft.models.registry import is_builtin, model_path
@@ -136,9 +142,10 @@ def main() -> int:
                     r = llama.run(method, plain["prompts"])
                     rates.setdefault(f"llama.cpp {method}", []).append(r["tok_s"])
                     agree = sum(a == b for a, b in zip(r["outputs"], plain["outputs"]))
+                    shared = statistics.median(common_prefix(a, b) for a, b in zip(r["outputs"], plain["outputs"]))
                     line += (f"; llama.cpp -np {c} {method} {r['tok_s']:.2f} tok/s"
                              + (f" ({r['accepted']}/{r['draft_tokens']} drafts accepted)" if r["draft_tokens"] else "")
-                             + f", {agree}/{len(r['outputs'])} outputs as quickdraft's")
+                             + f", {agree}/{len(r['outputs'])} outputs as quickdraft's (median {shared:g} tokens alike)")
                 print(line, flush=True)
         finally:
             if llama:
