@@ -63,6 +63,7 @@ class LlamaServers:
 
     def __init__(self, model: str, spec: dict, concurrency: int, max_tokens: int):
         from quickdraft.bench import llama_server as ls
+        from quickdraft.engine.threads import usable_cpus
 
         exe = ls.binary()
         if exe is None:
@@ -74,7 +75,7 @@ class LlamaServers:
         k = int(spec.get("num_speculative_tokens", 4))
         self.ls, self.concurrency, self.max_tokens = ls, concurrency, max_tokens
         self.servers = {}
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = usable_cpus()  # the count quickdraft's engine starts with where it is not set
         for mode in ls.modes(draft, k, 4)[: 2 if draft else 1]:  # plain, and -md where the draft is a GGUF file
             port = ls.free_port()
             server = ls.Server(ls.command(exe, target, mode, threads, 4096, port, slots=concurrency), port, mode.method)

@@ -16,19 +16,12 @@ after-busy server to the idle one.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> dict:
@@ -39,6 +32,8 @@ def post(url: str, body: dict) -> dict:
 
 def serve_and_time(args, prompts: list[str]) -> tuple[float, float, list[str]]:
     """A fresh server: the load average at its start, its tokens/s over the prompts, the texts."""
+    from quickdraft.bench.llama_server import free_port
+
     load = os.getloadavg()[0]
     port = free_port()
     cmd = [sys.executable, "-m", "quickdraft", "serve", args.model, "--port", str(port)]

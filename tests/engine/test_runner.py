@@ -9,7 +9,7 @@ import torch
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.runner import StepTimes
-from quickdraft.verify.step import finite_rows as _finite_rows
+from quickdraft.verify.step import finite_rows
 from quickdraft.models.loader import LoadedModel
 from quickdraft.models.tiny import random_weights, tiny_config
 from quickdraft.sampling import SamplingParams, argmax_finite, argmax_rows
@@ -23,7 +23,7 @@ def test_a_non_finite_logit_fails_its_sequence_alone(bad):
     logits = torch.randn(7, 151936)  # sequences of 2, 0 and 2 drafts: rows 0-2, 3, 4-6
     logits[5, 1234] = bad
     walk = logits.clone()
-    assert _finite_rows(logits, [2, 0, 2]) == [True, True, False]
+    assert finite_rows(logits, [2, 0, 2]) == [True, True, False]
     assert torch.count_nonzero(logits[4:7]) == 0 and torch.count_nonzero(logits[:4]) > 0  # its rows zeroed for verify
     # the greedy walk's way: the argmax and the rows' check in one read, and a failed sequence's
     # argmax is its zeroed rows' (0)
@@ -33,19 +33,19 @@ def test_a_non_finite_logit_fails_its_sequence_alone(bad):
         assert fine.tolist() == [True] * 5 + [False, True]
     want = argmax.clone()
     want[4:7] = 0
-    assert _finite_rows(walk, [2, 0, 2], fine, argmax) == [True, True, False]
+    assert finite_rows(walk, [2, 0, 2], fine, argmax) == [True, True, False]
     assert torch.equal(walk, logits) and torch.equal(argmax, want)
 
 
 def test_finite_logits_whose_sum_overflows_pass():
     logits = torch.full((2, 1000), 3e38)  # every logit finite; a row's float32 sum is inf
-    assert _finite_rows(logits, [1]) == [True]
-    assert _finite_rows(logits, [1], *argmax_finite(logits)) == [True]
+    assert finite_rows(logits, [1]) == [True]
+    assert finite_rows(logits, [1], *argmax_finite(logits)) == [True]
     assert torch.all(logits == 3e38)
 
 
 def test_finite_logits_of_another_dtype():
-    assert _finite_rows(torch.randn(3, 50, dtype=torch.bfloat16), [0, 0, 0]) == [True] * 3
+    assert finite_rows(torch.randn(3, 50, dtype=torch.bfloat16), [0, 0, 0]) == [True] * 3
 
 
 def test_step_times_each_phase_beside_the_data_path():
