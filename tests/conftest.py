@@ -84,6 +84,15 @@ def qwen05_tokenizer(qwen05_gguf, qwen05_path: Path) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(qwen05_gguf[0], str(qwen05_path))
 
 
+@pytest.fixture(autouse=True)
+def _no_acceptance_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines neither read nor write their drafter's acceptance history (engine.HISTORY_STEPS): a
+    test's plan must not depend on the tests, or the runs, before it. Its own test turns it on."""
+    from quickdraft.engine import engine
+
+    monkeypatch.setattr(engine, "HISTORY_STEPS", 0)
+
+
 @pytest.fixture
 def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh ``$QUICKDRAFT_CACHE`` for this test only."""

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from quickdraft.engine.plan import Acceptance, SpeculationSwitch, plan_draft_lengths, step_rate
+from quickdraft.engine.plan import Acceptance, ChainOdds, SpeculationSwitch, plan_draft_lengths, step_rate
 from quickdraft.models.pass_cost import ANCHOR_WEIGHT, KNEE, RECENT, LinearCost
 from quickdraft.verify import expected_tokens
 
@@ -334,3 +334,82 @@ def test_the_switch_does_not_measure_a_runs_first_step():
         modes.append(on)
         switch.record(2, on, 10, 10 / (90.0 if on else 60.0) * (10 if first and on else 1))
     assert switch.preferred(2)
+
+
+def test_odds_are_counted_depth_by_depth_over_the_steps_whose_cap_allowed_them():
+    """Acceptance given the drafts before, and the chance a draft is made at all, each depth
+    counted only over the steps whose cap reached it."""
+    a = Acceptance(decay=1.0)
+    a.record(4, 4, cap=4)  # all four made and accepted
+    a.record(2, 2, cap=4)  # the proposer stopped after two (its confidence fell): both accepted
+    a.record(3, 1, cap=4)  # three made, the second rejected
+    a.record(1, 0, cap=1)  # a cap of one: says nothing of depths 2 to 4
+    odds = a.odds(4, 0.5, prior_weight=0.0)
+    assert odds.accept == pytest.approx((3 / 4, 2 / 3, 1 / 2, 1 / 1))
+    assert odds.reach == pytest.approx((1.0, 3 / 3, 2 / 3, 1 / 2))
+    assert odds.gains(4) == pytest.approx([3 / 4, 1 / 2, 1 / 4, 1 / 4])
+    assert odds.reaches(4) == pytest.approx([1.0, 1.0, 2 / 3, 1 / 3])
+    assert odds.expected_tokens(4) == pytest.approx(1 + 3 / 4 + 1 / 2 + 1 / 4 + 1 / 4)
+    assert a.rate(0.5, prior_weight=0.0) == pytest.approx(7 / 9)  # the geometric estimate, as before: 7 hits, 2 misses
+
+
+def test_a_depth_not_tried_goes_as_the_deepest_tried_one():
+    """A depth no step has reached takes the odds of the one before it (each depth is shrunk
+    towards its predecessor), so that the plan may try it; a prior of odds is followed depth by depth."""
+    a = Acceptance(decay=1.0)
+    for _ in range(20):
+        a.record(2, 2, cap=2)
+    odds = a.odds(4, 0.5)
+    assert odds.accept[2] == pytest.approx(odds.accept[1]) and odds.accept[1] > 0.8
+    assert odds.reach[3] == pytest.approx(odds.reach[1]) == pytest.approx(1.0)
+    fresh = Acceptance().odds(4, odds)
+    assert fresh.accept == pytest.approx(odds.accept) and fresh.reach == pytest.approx(odds.reach)
+    assert Acceptance().odds(3, 0.8) == ChainOdds.geometric(0.8, 3)
+
+
+def test_drafts_rarely_made_are_cheap_to_allow():
+    """A deep draft that the proposer makes only when it is sure (reach) costs its rows only then:
+    with the same chance of gaining each token, a cap the i.i.d. model would not pay for pays."""
+    target, draft = LinearCost(TARGET_1_5B), LinearCost(DRAFT_0_5B)
+    gains = [0.85 ** j for j in range(1, 7)]
+    odds = ChainOdds(tuple([0.85] * 6), (1.0, 1.0, 0.5, 0.5, 0.5, 0.5))
+    assert odds.gains(6) == pytest.approx(gains)
+    geometric = plan_draft_lengths([0.85], [6], target, draft, contexts=[200])[0]
+    sure = plan_draft_lengths([odds], [6], target, draft, contexts=[200])[0]
+    assert geometric < sure
+    assert step_rate([sure], [odds], target, draft, [200]) > step_rate([geometric], [odds], target, draft, [200])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_plan_of_odds_is_within_two_percent_of_the_best(seed):
+    """As the test above, with odds that vary by depth and drafts that are not always made."""
+    rng = random.Random(100 + seed)
+    batch, k = rng.randint(1, 3), rng.randint(1, 5)
+    odds = [ChainOdds(tuple(rng.uniform(0.3, 1.0) for _ in range(k)), (1.0,) + tuple(rng.uniform(0.2, 1.0) for _ in range(k - 1)))
+            for _ in range(batch)]
+    contexts = [rng.randint(0, 2000) for _ in range(batch)]
+    target = LinearCost([(r, n, kk, 0.03 + 0.004 * r + 0.001 * n + 1e-6 * kk)
+                         for r, n, kk in [(1, 1, 0), (32, 1, 0), (8, 8, 4000), (4, 1, 8000), (2, 2, 100)]])
+    draft = LinearCost([(r, n, kk, rng.uniform(0.002, 0.01) + 0.0005 * r) for r, n, kk in [(1, 1, 0), (32, 1, 0)]])
+    best = max(step_rate(list(ks), odds, target, draft, contexts) for ks in itertools.product(range(k + 1), repeat=batch))
+    plan = plan_draft_lengths(odds, [k] * batch, target, draft, contexts=contexts)
+    assert step_rate(plan, odds, target, draft, contexts) >= 0.98 * best
+
+
+def test_a_drafters_history_weighs_as_a_few_steps():
+    a = Acceptance(decay=1.0)
+    for _ in range(40):
+        a.record(4, 3, cap=4)
+    loaded = Acceptance.from_dict(json_round_trip(a.to_dict()), decay=0.99, steps=8)
+    assert loaded.depths[0][0] == pytest.approx(8.0) and loaded.decay == 0.99
+    assert loaded.odds(4, 0.5, prior_weight=0.0) == a.odds(4, 0.5, prior_weight=0.0)  # the same odds, less weight
+    assert loaded.rate(0.5, prior_weight=0.0) == pytest.approx(a.rate(0.5, prior_weight=0.0))
+    for bad in ({}, {"hits": 1, "misses": 0, "depths": [[1, 2]]}, {"hits": "x", "misses": 0, "depths": []},
+                {"hits": 1, "misses": -1, "depths": []}, {"hits": 1, "misses": 0, "depths": [[1, 1, float("nan"), 1]]}):
+        assert Acceptance.from_dict(bad, decay=0.99, steps=8) is None
+
+
+def json_round_trip(data):
+    import json
+
+    return json.loads(json.dumps(data))

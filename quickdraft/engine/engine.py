@@ -9,9 +9,14 @@ invariance).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import itertools
+import json
+import logging
 import time
+from pathlib import Path
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
@@ -27,13 +32,20 @@ from quickdraft.models.decoder import Decoder
 from quickdraft.models.ggml import on_blocks
 from quickdraft.models.kv_cache import KVCache, fit_max_model_len, free_memory
 from quickdraft.models.loader import LoadedModel, load_model
-from quickdraft.models.pass_cost import calibrate, key_reads
+from quickdraft.models.pass_cost import calibrate, key_reads, write_json
+from quickdraft.models.registry import cache_dir
 from quickdraft.proposers.base import ProposerContext, create_proposer
 from quickdraft.sampling import SamplingParams, make_generator
 from quickdraft.structured import GrammarCompiler
-from quickdraft.verify.rejection import expected_tokens
+
+log = logging.getLogger("quickdraft.engine")
 
 PROBE_ACCEPTANCE = 0.8  # the acceptance rate a probe is planned with (adaptive K)
+# A drafter's acceptance from earlier processes (the same target, drafter and settings on this
+# machine's cache) starts a new process's estimate, weighing as this many steps at most (0: none
+# kept, none read).
+HISTORY_STEPS = 8
+HISTORY_EVERY = 30.0  # seconds between two writes of it while requests keep running
 PROBE_CATCHUP = 16  # the most tokens a draft may have to read first for a sequence a probe forces
 MAX_FORCED_DRAFT = 16  # a grammar's forced tokens proposed in one step (structured.py)
 
@@ -69,7 +81,10 @@ class Engine:
         self.prefix_cache = PrefixCache(config.max_num_seqs, enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_queue, self.prefix_cache)
         self.stats = SpecStats()  # the whole run's counters
-        self.acceptance = Acceptance(decay=0.99)  # every sequence's drafts: the prior for a new one
+        # every sequence's drafts: the prior for a new one, itself started from the drafter's history
+        self._history = acceptance_history(config, self.decoder) if target_cost is not None and HISTORY_STEPS > 0 else None
+        self._history_saved = time.monotonic()
+        self.acceptance = load_acceptance(self._history) or Acceptance(decay=0.99)
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         # the runner commits each step's tokens under these rules and counts them into these counters
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost,
@@ -192,10 +207,10 @@ class Engine:
         # the read is a cost of speculating: the switch charges each sequence's share of it to its
         # speculative steps, spread over the steps its answer is expected to take
         seconds, tokens = time.perf_counter() - started, sum(s.num_pending for s in prompts)
-        alpha = self.acceptance.rate(PROBE_ACCEPTANCE)
         for s in prompts:
             answer = min(s.params.max_tokens, self._answer_tokens or s.params.max_tokens)
-            steps = max(1.0, answer / expected_tokens(alpha, self.draft_cap(s.params)))
+            cap = self.draft_cap(s.params)
+            steps = max(1.0, answer / self.acceptance.odds(cap, PROBE_ACCEPTANCE).expected_tokens(cap))
             s.draft_read_charge = seconds * s.num_pending / tokens / steps
 
     def _speculating(self, seqs: list[Sequence]) -> bool:
@@ -228,18 +243,21 @@ class Engine:
         # Before the engine has seen drafts, they are planned as a probe is (PROBE_ACCEPTANCE): a
         # neutral 0.5 planned one draft or none for the Qwen2.5-Coder pair's first request, and a
         # drafter not tried is not measured; a poor one shows itself within a few steps.
-        prior = self.acceptance.rate(PROBE_ACCEPTANCE)
+        # Odds depth by depth (plan.Acceptance): each sequence's shrunk towards the engine's, and
+        # the engine's each depth towards the one before it.
+        prior = self.acceptance.odds(max(caps), PROBE_ACCEPTANCE)
         # A sequence without drafts for probe_interval steps is planned as if its drafts were
         # good (with its whole cap: one draft token alone rarely pays for a draft model's pass):
         # a probe that fails costs its rows, one that succeeds shows that its text has turned
         # predictable.
         due = [s.steps_without_drafts >= spec.probe_interval for s in seqs]
-        alphas = [max(prior, PROBE_ACCEPTANCE) if d else s.acceptance.rate(prior) for s, d in zip(seqs, due)]
+        odds = [prior.at_least(PROBE_ACCEPTANCE) if d else s.acceptance.odds(cap, prior)
+                for s, d, cap in zip(seqs, due, caps)]
         # The draft reads a sequence's unseen tokens once (its prompt, or what it missed while it
         # did not draft), and drafts from then on: that cost is shared by the steps still to come.
         catchup = [self.proposer.catchup_rows(s) for s in seqs]
-        shares = [max(1.0, room / expected_tokens(alpha, cap)) for room, alpha, cap in zip(rooms, alphas, caps)]
-        ks = plan_draft_lengths(alphas, caps, self.runner.target_cost, self.proposer.cost,
+        shares = [max(1.0, room / o.expected_tokens(cap)) for room, o, cap in zip(rooms, odds, caps)]
+        ks = plan_draft_lengths(odds, caps, self.runner.target_cost, self.proposer.cost,
                                 [s.num_pending for s in seqs], [s.num_cached for s in seqs], catchup, shares)
         # The costs start from a calibration kept per machine, model and kernel version, and one
         # timed on a busy machine can price drafts out for good: a draft never run is never timed
@@ -274,12 +292,26 @@ class Engine:
             self._release(seq)
             n = len(seq.output_token_ids)
             self._answer_tokens = n if self._answer_tokens is None else 0.9 * self._answer_tokens + 0.1 * n
+            if not self.scheduler.has_unfinished() or time.monotonic() - self._history_saved > HISTORY_EVERY:
+                self._save_history()
         return seq.to_output()
 
     def close(self) -> None:
-        """Let the proposer write what must outlive the process (suffix's cache); the engine is not
-        stepped again."""
+        """Let the proposer write what must outlive the process (suffix's cache), and the drafter's
+        acceptance; the engine is not stepped again."""
         self.proposer.close()
+        self._save_history()
+
+    def _save_history(self) -> None:
+        """The engine's acceptance counts to the cache, for the next process's prior: when a request
+        finishes and none runs (a process may end with no close), else every HISTORY_EVERY s. A cache
+        that cannot be written costs the next process its head start, nothing else."""
+        self._history_saved = time.monotonic()
+        if self._history is not None and self.acceptance.depths:
+            try:
+                write_json(self._history, self.acceptance.to_dict())
+            except OSError as e:
+                log.warning("the drafter's acceptance was not saved to %s: %s", self._history, e)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -296,3 +328,26 @@ class Engine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+
+def acceptance_history(config: EngineConfig, decoder: Decoder) -> Path:
+    """Where the engine keeps its drafter's acceptance between processes: one file for each target
+    (its name and weights' size) and speculative configuration, so that another drafter, K or
+    confidence threshold starts from its own history."""
+    spec = {f.name: getattr(config.speculative, f.name) for f in dataclasses.fields(config.speculative)
+            if f.name not in ("adaptive", "probe_interval")}
+    # a drafter given loaded (LoadedModel) by its source, not its weights
+    key = json.dumps({"model": config.model, "bytes": decoder.weight_bytes_per_token(), "dtype": str(config.dtype),
+                      "speculative": spec}, sort_keys=True, default=lambda v: getattr(v, "source", None) or repr(v))
+    return cache_dir() / "acceptance" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def load_acceptance(path: Path | None) -> Acceptance | None:
+    """The history at ``path`` as the engine's prior (plan.Acceptance.from_dict), or None where
+    there is none or it is damaged (then the engine starts from PROBE_ACCEPTANCE)."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return Acceptance.from_dict(data, decay=0.99, steps=HISTORY_STEPS) if isinstance(data, dict) else None

@@ -12,9 +12,12 @@ next, so the engine plans each step the way SmartSpec (Liu et al. 2024, "goodput
   calibration at start-up (9 s for a 1.5B on this CPU, once per loaded model and process) and
   refitted to the passes the engine times afterwards, so the model follows the machine (a shared
   machine's speed drifts).
-* Each sequence's acceptance rate alpha is estimated from its own recent passes, shrunk towards
-  the engine-wide rate while it has few; under the usual i.i.d. model a chain of k drafts yields
-  1 + alpha + ... + alpha^k tokens on average (Leviathan et al. 2023, eq. 1;
+* Each sequence's odds are estimated from its own recent passes, depth by depth, shrunk towards
+  the engine-wide odds while it has few (``Acceptance``, ``ChainOdds``): the chance that its j-th
+  draft is accepted given that the ones before it were, and the chance that the proposer makes a
+  j-th draft at all (a draft model stops where it loses confidence). A chain capped at k drafts
+  then yields 1 + g_1 + ... + g_k tokens on average, g_j the chance that its first j drafts are
+  all accepted; under the usual i.i.d. model g_j = alpha^j (Leviathan et al. 2023, eq. 1;
   verify/rejection.py, ``expected_tokens``).
 * ``plan_draft_lengths`` picks the K_i that maximize expected tokens per second of the whole
   step: sequences whose drafts keep failing get K = 0, and once the batch is large enough that
@@ -25,11 +28,11 @@ The plan changes nothing but speed: it only decides how many draft tokens the ve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from quickdraft.models.pass_cost import KNEE, LinearCost, key_reads
-from quickdraft.verify.rejection import expected_tokens
 
 
 # Passes of a kind (draft passes, verification passes of several rows) the refit must have timed
@@ -37,28 +40,152 @@ from quickdraft.verify.rejection import expected_tokens
 TRUSTED_PASSES = 16
 
 
+@dataclass(frozen=True)
+class ChainOdds:
+    """What a sequence's next chain of drafts is expected to do, depth by depth (j = 1, 2, ...):
+    ``accept[j-1]``, the chance that its j-th draft is accepted given that the j-1 before it were;
+    ``reach[j-1]``, the chance that the proposer makes a j-th draft given that it made j-1. A draft
+    model stops where its own confidence falls (``draft_confidence_threshold``), a lookup where its
+    match ends: K is a cap, and a draft not made costs neither a draft pass nor a target row. A plain
+    rate alpha is the i.i.d. model (``geometric``): alpha at every depth, every draft made. Past the
+    last depth given, the last one's odds hold."""
+
+    accept: tuple[float, ...]
+    reach: tuple[float, ...]
+
+    @classmethod
+    def geometric(cls, alpha: float, depth: int) -> "ChainOdds":
+        return cls((alpha,) * max(depth, 1), (1.0,) * max(depth, 1))
+
+    def _at(self, values: tuple[float, ...], j: int) -> float:
+        return values[min(j, len(values)) - 1]
+
+    def gains(self, depth: int) -> list[float]:
+        """[depth]: the chance that the first j drafts are all accepted: the j-th draft's expected
+        tokens."""
+        out, g = [], 1.0
+        for j in range(1, depth + 1):
+            g *= self._at(self.accept, j)
+            out.append(g)
+        return out
+
+    def reaches(self, depth: int) -> list[float]:
+        """[depth]: the chance that a j-th draft is made: its expected rows."""
+        out, r = [], 1.0
+        for j in range(1, depth + 1):
+            r *= self._at(self.reach, j)
+            out.append(r)
+        return out
+
+    def expected_tokens(self, depth: int) -> float:
+        """Tokens one verification of a chain capped at ``depth`` yields: its accepted drafts and one."""
+        return 1.0 + sum(self.gains(depth))
+
+    def at_least(self, alpha: float) -> "ChainOdds":
+        """These odds with every depth's acceptance raised to ``alpha`` (a probe's)."""
+        return ChainOdds(tuple(max(a, alpha) for a in self.accept), self.reach)
+
+
+def as_odds(alpha: "float | ChainOdds", depth: int) -> ChainOdds:
+    return alpha if isinstance(alpha, ChainOdds) else ChainOdds.geometric(alpha, depth)
+
+
 @dataclass
 class Acceptance:
-    """Decayed counts of accepted drafts and of chains that ended in a rejection, so that
-    alpha = hits / (hits + misses) follows the text as it changes (the geometric model's MLE)."""
+    """Decayed counts of how a sequence's (or the engine's) chains of drafts went, kept two ways:
+
+    * ``hits`` and ``misses``, accepted drafts and chains that ended in a rejection, whose ratio
+      is the geometric model's MLE (``rate``: one number for reports and sizing);
+    * for each depth j, over the steps whose cap allowed a j-th draft, the steps whose first j-1
+      drafts were accepted and those whose first j were, and the steps that drafted j-1 and j
+      tokens (``odds``). Measured, a draft's acceptance is not the same at every depth (the
+      Qwen2.5-Coder 0.5B drafting for the 1.5B on a HumanEval prompt: 0.72 at the first, 0.92
+      at the second given the first), and a draft model with a confidence threshold makes fewer
+      drafts than its cap (a fourth in 17 of 41 steps at K = 4). Planned as i.i.d. drafts that are
+      always made, the plan capped K at 2-3 where a cap of 4 ran faster on the first request of a
+      process (0.89x the best fixed K; AMD EPYC Zen 4)."""
 
     hits: float = 0.0
     misses: float = 0.0
     decay: float = 0.9
+    # [j-1]: decayed [first j-1 accepted, first j accepted, drafted >= j-1, drafted >= j], over steps whose cap was >= j
+    depths: list = field(default_factory=list)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, cap: int | None = None) -> None:
+        """A step's chain: ``num_drafts`` made, ``num_accepted`` of them accepted, under a cap of
+        ``cap`` drafts (None: the drafts made; a cap below them counts as theirs)."""
         if num_drafts == 0:
             return
-        self.hits = self.decay * self.hits + num_accepted
-        self.misses = self.decay * self.misses + (1.0 if num_accepted < num_drafts else 0.0)
+        d = self.decay
+        self.hits = d * self.hits + num_accepted
+        self.misses = d * self.misses + (1.0 if num_accepted < num_drafts else 0.0)
+        cap = max(num_drafts, cap or 0)
+        while len(self.depths) < cap:
+            self.depths.append([0.0, 0.0, 0.0, 0.0])
+        for j, c in enumerate(self.depths, start=1):
+            c[0] *= d
+            c[1] *= d
+            c[2] *= d
+            c[3] *= d
+            if j <= cap:
+                c[0] += num_accepted >= j - 1
+                c[1] += num_accepted >= j
+                c[2] += num_drafts >= j - 1
+                c[3] += num_drafts >= j
 
     def rate(self, prior: float, prior_weight: float = 4.0) -> float:
-        """The posterior mean, with ``prior_weight`` pseudo-trials at ``prior``."""
+        """The geometric model's posterior mean, with ``prior_weight`` pseudo-trials at ``prior``."""
         return (self.hits + prior_weight * prior) / (self.hits + self.misses + prior_weight)
+
+    def to_dict(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "depths": self.depths}
+
+    @classmethod
+    def from_dict(cls, data: dict, decay: float, steps: float) -> "Acceptance | None":
+        """Counts kept by another process (``to_dict``), scaled to weigh as ``steps`` steps at
+        most: a drafter's history is a prior that this process's own steps soon outweigh. None
+        where ``data`` is not such counts."""
+        try:
+            hits, misses = float(data["hits"]), float(data["misses"])
+            depths = [[float(v) for v in c] for c in data["depths"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+        if (any(len(c) != 4 for c in depths) or not all(math.isfinite(v) and v >= 0 for c in depths for v in c)
+                or not (math.isfinite(hits) and math.isfinite(misses) and hits >= 0 and misses >= 0)):
+            return None
+        seen = depths[0][0] if depths else 0.0  # the steps the counts hold (decayed)
+        scale = min(1.0, steps / seen) if seen > 0 else 1.0
+        return cls(hits * scale, misses * scale, decay, [[v * scale for v in c] for c in depths])
+
+    def odds(self, depth: int, prior: "float | ChainOdds", prior_weight: float = 4.0) -> ChainOdds:
+        """Each depth's acceptance and reach to ``depth``, each shrunk with ``prior_weight``
+        pseudo-steps towards ``prior``'s at that depth. A rate for a prior is the first depth's
+        acceptance; each later depth is shrunk towards the one before it, so that a depth no step
+        has tried yet is expected to go as the deepest tried one went (a draft's acceptance given
+        its predecessors' rarely falls with depth), and the plan can try it."""
+        accept: list[float] = []
+        reach: list[float] = []
+        for j in range(1, depth + 1):
+            if isinstance(prior, ChainOdds):
+                pa, pr = prior._at(prior.accept, j), prior._at(prior.reach, j)
+            else:
+                pa, pr = (prior, 1.0) if j == 1 else (accept[-1], reach[-1])
+            c = self.depths[j - 1] if j <= len(self.depths) else (0.0, 0.0, 0.0, 0.0)
+            accept.append((c[1] + prior_weight * pa) / (c[0] + prior_weight))
+            reach.append((c[3] + prior_weight * pr) / (c[2] + prior_weight))
+        return ChainOdds(tuple(accept), tuple(reach))
+
+
+def _chance_any(chances) -> float:
+    """The chance that at least one of independent events of these chances happens."""
+    none = 1.0
+    for p in chances:
+        none *= 1.0 - p
+    return 1.0 - none
 
 
 def plan_draft_lengths(
-    alphas: list[float],  # [batch] acceptance estimate per sequence
+    alphas: list["float | ChainOdds"],  # [batch] acceptance per sequence: a rate (i.i.d. drafts) or depth by depth
     caps: list[int],  # [batch] the most drafts each may take (0: none this step)
     target: LinearCost,
     draft: LinearCost | None,  # None: drafts cost nothing to make (ngram)
@@ -69,16 +196,30 @@ def plan_draft_lengths(
 ) -> list[int]:
     """The K_i that maximize expected tokens per second of this step; [0] * batch = plain.
 
-    For each draft depth L the fixed cost is L draft passes; then draft tokens are added in
-    order of their expected gain alpha_i^j while each one's gain per second beats the step's
-    tokens per second so far (adding a better-than-average item raises the average). The best L
-    wins. A token's cost is one target row and one draft row (one chain of a draft pass), each
-    priced at the row count its pass has reached (``LinearCost.row_cost``), both dearer for a
-    longer context, plus the draft's catch-up rows for a sequence's first draft."""
+    For each draft depth L the fixed cost is the L draft passes, each priced at the chance that
+    some chain reaches it; then draft tokens are added in order of their value (the chance the
+    j-th is accepted given that it is made, ChainOdds) while each one's expected gain per second
+    beats the step's tokens per second so far (adding a better-than-average item raises the
+    average). The best L wins, its passes priced at the K chosen. A draft's cost is one target row
+    and one draft row (one chain of a draft pass), each priced at the row count its pass has
+    reached (``LinearCost.row_cost``), both dearer for a longer context, times the chance that the
+    draft is made; plus the draft's catch-up rows for a sequence's first draft."""
     batch = len(alphas)
     pending = pending or [1] * batch
     contexts = contexts or [0] * batch
     catchup = catchup or [0.0] * batch
+    odds = [as_odds(a, cap) for a, cap in zip(alphas, caps)]
+    gains = [o.gains(cap) for o, cap in zip(odds, caps)]  # [batch][cap]
+    reach = [o.reaches(cap) for o, cap in zip(odds, caps)]
+    # a draft's value per expected row, made non-increasing along its chain so that the order of
+    # the items below is each chain's own order
+    value = []
+    for g, r in zip(gains, reach):
+        v, low = [], float("inf")
+        for gj, rj in zip(g, r):
+            low = min(low, gj / max(rj, 1e-12))
+            v.append(low)
+        value.append(v)
     base = target(sum(pending), batch, sum(key_reads(c, p) for c, p in zip(contexts, pending)))
     ctx = [c + p for c, p in zip(contexts, pending)]  # where a sequence's drafts start
     # besides the rows' own cost, which depends on how many rows their pass has (see KNEE)
@@ -91,29 +232,40 @@ def plan_draft_lengths(
     first_cost = [(draft.b * catchup[i] + draft.b_more * max(0.0, catchup[i] + 1 - KNEE) + draft.per_key * catchup[i] * ctx[i])
                   / shares[i] if draft is not None else 0.0 for i in range(batch)]
     a_d = draft.a if draft is not None else 0.0
+
+    def passes(ks: list[int], depth: int) -> float:
+        """The draft passes expected to run to ``depth`` where each sequence may draft ks[i]."""
+        return sum(_chance_any(reach[i][j - 1] for i in range(batch) if ks[i] >= j) for j in range(1, depth + 1))
+
     best_ks, best_rate = [0] * batch, batch / max(base, 1e-9)
     for depth in range(1, max(caps, default=0) + 1):
         items = sorted(
-            ((alphas[i] ** j, i, j) for i in range(batch) for j in range(1, min(depth, caps[i]) + 1)),
+            ((value[i][j - 1], i, j) for i in range(batch) for j in range(1, min(depth, caps[i]) + 1)),
             key=lambda item: (-item[0], item[2], item[1]),
         )
         ks = [0] * batch
-        tokens, seconds = float(batch), base + depth * a_d
-        rows, chains = sum(pending), [0] * (depth + 1)  # the target pass's rows; each draft pass's chains
-        for gain, i, j in items:
+        charged = a_d * passes(caps, depth)
+        tokens, seconds = float(batch), base + charged
+        rows, chains = float(sum(pending)), [0.0] * (depth + 1)  # the target pass's rows; each draft pass's chains (expected)
+        for _, i, j in items:
             if ks[i] != j - 1:
                 continue  # its earlier draft was not worth it, so this one is not either
-            cost = token_cost[i] + target.row_cost(rows) + (first_cost[i] if j == 1 else 0.0)
+            made = reach[i][j - 1]
+            cost = target.row_cost(rows) + token_cost[i]
             if draft is not None:
                 cost += draft.row_cost(chains[j])
+            cost = made * cost + (first_cost[i] if j == 1 else 0.0)
+            gain = gains[i][j - 1]
             if gain * seconds > tokens * cost:
                 ks[i] = j
                 tokens += gain
                 seconds += cost
-                rows += 1
-                chains[j] += 1
-        if any(ks) and tokens / seconds > best_rate:
-            best_ks, best_rate = ks, tokens / seconds
+                rows += made
+                chains[j] += made
+        if any(ks):
+            seconds += a_d * passes(ks, depth) - charged  # the passes these K run, not those charged up front
+            if tokens / seconds > best_rate:
+                best_ks, best_rate = ks, tokens / seconds
     return best_ks
 
 
@@ -302,14 +454,22 @@ class _BatchMode:
         self.probe_left, self.probe, self.since, self.skip = run, [0.0, 0.0], 0, True
 
 
-def step_rate(ks: list[int], alphas: list[float], target: LinearCost, draft: LinearCost | None,
+def step_rate(ks: list[int], alphas: list["float | ChainOdds"], target: LinearCost, draft: LinearCost | None,
               contexts: list[int] | None = None) -> float:
-    """Expected tokens per second of one decoding step (one pending token each) with draft
-    lengths ``ks``: what the plan maximizes, computed pass by pass."""
+    """Expected tokens per second of one decoding step (one pending token each) with draft caps
+    ``ks``: what the plan maximizes, computed pass by pass, each draft priced at the chance that it
+    is made and each draft pass at the chance that some chain reaches it."""
     contexts = contexts or [0] * len(ks)
-    seconds = target(len(ks) + sum(ks), len(ks), sum(key_reads(c, 1 + k) for c, k in zip(contexts, ks)))
+    odds = [as_odds(a, max(k, 1)) for a, k in zip(alphas, ks)]
+    reach = [o.reaches(k) for o, k in zip(odds, ks)]
+    rows = [sum(r) for r in reach]  # expected drafts of each
+    # keys: the pending token's row reads c + 1 of them, a draft's at depth j c + 1 + j (key_reads)
+    keys = sum(c + 1 + sum(p * (c + 1 + j) for j, p in enumerate(r, start=1)) for c, r in zip(contexts, reach))
+    seconds = target(len(ks) + sum(rows), len(ks), keys)
     if draft is not None and any(ks):
         for j in range(1, max(ks) + 1):
             drafting = [i for i, k in enumerate(ks) if k >= j]
-            seconds += draft(len(drafting), len(drafting), sum(contexts[i] + j for i in drafting))
-    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
+            chance = _chance_any(reach[i][j - 1] for i in drafting)
+            n = sum(reach[i][j - 1] for i in drafting)
+            seconds += draft(n, n, sum(reach[i][j - 1] * (contexts[i] + j) for i in drafting)) - (1.0 - chance) * draft.a
+    return sum(o.expected_tokens(k) for o, k in zip(odds, ks)) / seconds

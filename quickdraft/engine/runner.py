@@ -123,6 +123,7 @@ class StepResult:
     logprobs: list[TokenLogprob] | None = None  # one for each of token_ids, where the request asked
     forced: bool = False  # the drafts were the grammar's forced tokens, not the proposer's
     tree: tuple[int, bool, list[int]] | None = None  # a token tree's depth, whether it ended in a rejection, its path (VerifyOutput.trees)
+    cap: int = 0  # the most drafts the step allowed it (the plan's K)
 
     @property
     def positions(self) -> int:
@@ -172,7 +173,7 @@ class Runner:
                 shape=(lambda rows: self._shaped(seqs, proposal, rows)) if shapes else None,
                 sampling=lambda device: self._batch_sampling(seqs, device))  # ok: [batch] bool
         with times("commit"):
-            results = self._commit(seqs, batch, outcome, ok, forced, logits)
+            results = self._commit(seqs, batch, outcome, ok, forced, logits, num_draft)
         self._learn(batch, results, times)
         return results
 
@@ -246,7 +247,7 @@ class Runner:
         return last[1]
 
     def _commit(self, seqs: list[Sequence], batch: VerificationPass, outcome: VerifyOutput, ok: list[bool],
-                forced: list[list[int]], logits: torch.Tensor) -> list[StepResult]:
+                forced: list[list[int]], logits: torch.Tensor, caps: list[int]) -> list[StepResult]:
         """The step's one commit, in this order: a token tree's accepted path moved into place in
         the target's cache (``kv.keep_path``); the committed rows handed to a proposer that reads
         the target's states; the proposer told the outcome (its own rollback: before the
@@ -267,7 +268,7 @@ class Runner:
                 continue
             s.num_cached += s.num_pending + accepted
             results.append(StepResult(s, list(tokens), k, accepted, forced=bool(forced[i]),
-                                      tree=outcome.trees[i] if outcome.trees else None))
+                                      tree=outcome.trees[i] if outcome.trees else None, cap=caps[i]))
         self._logprobs(results, proposal.num_tokens, logits)
         for r in results:
             self._append(r)
@@ -315,8 +316,10 @@ class Runner:
                 break
         # the acceptance estimates and probe counter that the engine plans K with
         if r.num_drafts and not r.forced:  # a grammar's forced tokens say nothing of the proposer
-            seq.acceptance.record(r.chain_drafts, r.num_accepted)
-            self.acceptance.record(r.chain_drafts, r.num_accepted)
+            # a tree's depths say nothing of where a chain would have stopped: its cap is its path
+            cap = r.cap if r.tree is None else r.chain_drafts
+            seq.acceptance.record(r.chain_drafts, r.num_accepted, cap)
+            self.acceptance.record(r.chain_drafts, r.num_accepted, cap)
             seq.steps_without_drafts = 0
         else:  # a prompt pass, a step without speculation, or one where no draft was found
             seq.steps_without_drafts += 1

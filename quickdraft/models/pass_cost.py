@@ -338,11 +338,16 @@ def _read_points(path: Path) -> list[tuple] | None:
         return None  # missing or damaged: time it again
 
 
-def _write_points(path: Path, points: list[tuple]) -> None:
+def write_json(path: Path, data) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"points": points}))
-    os.replace(tmp, path)  # whole or not at all
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _write_points(path: Path, points: list[tuple]) -> None:
+    write_json(path, {"points": points})
 
 
 def calibrate(decoder, kv, slot: int = 0, shapes=CALIBRATION) -> LinearCost:

@@ -303,3 +303,32 @@ def test_free_drafters_have_no_switch():
         config = EngineConfig(model="tiny", dtype="float32", max_num_seqs=2,
                               speculative=SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3}))
         assert Engine(config, target=TARGET).switch is None
+
+
+def test_a_drafters_acceptance_carries_to_the_next_process(plain, tmp_cache, monkeypatch):
+    """An adaptive engine keeps its drafter's acceptance in the cache when its requests are done;
+    the next engine with the same target and drafter starts its plan from it, weighed as a few
+    steps (engine.HISTORY_STEPS); another drafter does not, and a damaged file is ignored. The
+    output is the target's either way."""
+    from quickdraft.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HISTORY_STEPS", 8)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    spec = SpeculativeConfig.parse({"method": "draft_model", "model": DRAFTS["always"], "num_speculative_tokens": 3})
+
+    def engine(spec):
+        return Engine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=4, speculative=spec), target=TARGET)
+
+    first = engine(spec)
+    assert not first.acceptance.depths  # nothing kept yet
+    assert [o.token_ids for o in first.generate_ids(PROMPTS, params)] == plain
+    path = first._history
+    assert path.parent == tmp_cache / "acceptance" and path.exists()
+    second = engine(spec)
+    assert second.acceptance.depths[0][0] == pytest.approx(8.0)
+    assert second.acceptance.odds(3, 0.5).accept == pytest.approx(first.acceptance.odds(3, 0.5, prior_weight=0.0).accept, rel=0.2)
+    assert [o.token_ids for o in second.generate_ids(PROMPTS, params)] == plain
+    other = engine(SpeculativeConfig.parse({"method": "draft_model", "model": DRAFTS["never"], "num_speculative_tokens": 3}))
+    assert other._history != path and not other.acceptance.depths
+    path.write_text("{not json")
+    assert not engine(spec).acceptance.depths
