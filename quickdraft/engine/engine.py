@@ -82,9 +82,10 @@ class Engine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_queue, self.prefix_cache)
         self.stats = SpecStats()  # the whole run's counters
         # every sequence's drafts: the prior for a new one, itself started from the drafter's history
-        self._history = acceptance_history(config, self.decoder) if target_cost is not None and HISTORY_STEPS > 0 else None
+        self._history = history_path(config, self.decoder) if target_cost is not None and HISTORY_STEPS > 0 else None
         self._history_saved = time.monotonic()
-        self.acceptance = load_acceptance(self._history) or Acceptance(decay=0.99)
+        history = read_history(self._history)
+        self.acceptance = Acceptance.from_dict(history.get("acceptance"), decay=0.99, steps=HISTORY_STEPS) or Acceptance(decay=0.99)
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         # the runner commits each step's tokens under these rules and counts them into these counters
         self.runner = Runner(self.decoder, self.kv, self.proposer, target_cost,
@@ -93,6 +94,8 @@ class Engine:
         # pays at each batch size, measured step by step (plan.py). A free drafter (n-gram, suffix)
         # costs only the target rows its drafts add, which the refitted target model prices.
         self.switch = SpeculationSwitch() if target_cost is not None and self.proposer.cost is not None else None
+        if self.switch is not None:  # each batch size starts in the mode the last process left it in
+            self.switch.restore(history.get("switch"))
         self._answer_tokens: float | None = None  # finished answers' length, a decayed mean
         # the passes on the cores other processes leave free (engine/threads.py), where the kernels run
         # the layers: their bits do not depend on the thread count
@@ -303,15 +306,18 @@ class Engine:
         self._save_history()
 
     def _save_history(self) -> None:
-        """The engine's acceptance counts to the cache, for the next process's prior: when a request
-        finishes and none runs (a process may end with no close), else every HISTORY_EVERY s. A cache
-        that cannot be written costs the next process its head start, nothing else."""
+        """The engine's acceptance counts and each batch size's speculation mode to the cache, for
+        the next process: when a request finishes and none runs (a process may end with no close),
+        else every HISTORY_EVERY s. A cache that cannot be written costs the next process its head
+        start, nothing else."""
         self._history_saved = time.monotonic()
-        if self._history is not None and self.acceptance.depths:
-            try:
-                write_json(self._history, self.acceptance.to_dict())
-            except OSError as e:
-                log.warning("the drafter's acceptance was not saved to %s: %s", self._history, e)
+        if self._history is None or not self.acceptance.depths:
+            return
+        try:
+            write_json(self._history, {"acceptance": self.acceptance.to_dict(),
+                                       "switch": self.switch.to_dict() if self.switch is not None else None})
+        except OSError as e:
+            log.warning("the drafter's history was not saved to %s: %s", self._history, e)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -329,10 +335,11 @@ class Engine:
         return [final[i] for i in ids]
 
 
-def acceptance_history(config: EngineConfig, decoder: Decoder) -> Path:
-    """Where the engine keeps its drafter's acceptance between processes: one file for each target
-    (its name and weights' size) and speculative configuration, so that another drafter, K or
-    confidence threshold starts from its own history."""
+def history_path(config: EngineConfig, decoder: Decoder) -> Path:
+    """Where the engine keeps its drafter's history between processes (its acceptance, and whether
+    speculating paid at each batch size): one file for each target (its name and weights' size)
+    and speculative configuration, so that another drafter, K or confidence threshold starts from
+    its own."""
     spec = {f.name: getattr(config.speculative, f.name) for f in dataclasses.fields(config.speculative)
             if f.name not in ("adaptive", "probe_interval")}
     # a drafter given loaded (LoadedModel) by its source, not its weights
@@ -341,13 +348,14 @@ def acceptance_history(config: EngineConfig, decoder: Decoder) -> Path:
     return cache_dir() / "acceptance" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def load_acceptance(path: Path | None) -> Acceptance | None:
-    """The history at ``path`` as the engine's prior (plan.Acceptance.from_dict), or None where
-    there is none or it is damaged (then the engine starts from PROBE_ACCEPTANCE)."""
+def read_history(path: Path | None) -> dict:
+    """The history at ``path``, or {} where there is none or it is damaged (the engine then starts
+    from PROBE_ACCEPTANCE, every batch size speculating); its parts are checked where they are read
+    (plan.Acceptance.from_dict, plan.SpeculationSwitch.restore)."""
     if path is None:
-        return None
+        return {}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
-    return Acceptance.from_dict(data, decay=0.99, steps=HISTORY_STEPS) if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
