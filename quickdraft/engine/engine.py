@@ -337,14 +337,19 @@ class Engine:
 
 def history_path(config: EngineConfig, decoder: Decoder) -> Path:
     """Where the engine keeps its drafter's history between processes (its acceptance, and whether
-    speculating paid at each batch size): one file for each target (its name and weights' size)
-    and speculative configuration, so that another drafter, K or confidence threshold starts from
-    its own."""
+    speculating paid at each batch size): one file for each target (its name and weights' size),
+    speculative configuration, CPU, kernel path and device, so that another drafter, K or
+    confidence threshold starts from its own, and a batch size's mode is one this machine measured
+    on these kernels (QUICKDRAFT_ISA=avx2 on an AVX-512 CPU keeps its own)."""
+    from quickdraft.kernels import cpu_model
+
     spec = {f.name: getattr(config.speculative, f.name) for f in dataclasses.fields(config.speculative)
             if f.name not in ("adaptive", "probe_interval")}
     # a drafter given loaded (LoadedModel) by its source, not its weights
     key = json.dumps({"model": config.model, "bytes": decoder.weight_bytes_per_token(), "dtype": str(config.dtype),
-                      "speculative": spec}, sort_keys=True, default=lambda v: getattr(v, "source", None) or repr(v))
+                      "speculative": spec, "cpu": cpu_model(), "path": decoder.batch_invariance.path,
+                      "device": str(decoder.device)},
+                     sort_keys=True, default=lambda v: getattr(v, "source", None) or repr(v))
     return cache_dir() / "acceptance" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
