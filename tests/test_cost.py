@@ -414,27 +414,3 @@ def json_round_trip(data):
 
     return json.loads(json.dumps(data))
 
-
-def test_the_switch_starts_where_the_last_process_left_it():
-    """A batch size measured losing in another process starts plain here (and is probed as it was
-    there); its rates weigh as a few steps; records that are not the switch's are skipped."""
-    before = SpeculationSwitch()
-    before._batches[1] = _mode(on=True, spec=(40.0, 1.0), plain=(30.0, 1.0))
-    before._batches[4] = _mode(on=False, spec=(50.0, 1.0), plain=(80.0, 1.0))
-    after = SpeculationSwitch()
-    after.restore(json_round_trip(before.to_dict()) | {"x": {}, "0": {"speculating": True}, "2": {"speculating": "yes"}})
-    assert after.to_dict() == before.to_dict()
-    assert after.speculate(1) and not after.speculate(4) and after.pays(1) and not after.pays(4)
-    assert not after.speculate(8)  # a larger batch than one that lost starts plain, as in one process
-    after.record(4, False, 4, 0.025)  # one step of this process's at 160 tok/s moves the rate from 80
-    assert after.to_dict()[4]["plain_tok_s"] > 85.0
-    SpeculationSwitch().restore(None)  # no record: nothing to start from
-
-
-def _mode(on: bool, spec: tuple, plain: tuple):
-    from quickdraft.engine.plan import _BatchMode
-
-    mode = _BatchMode(on=on, interval=16)
-    mode.tokens[True], mode.seconds[True] = spec
-    mode.tokens[False], mode.seconds[False] = plain
-    return mode

@@ -94,8 +94,6 @@ class Engine:
         # pays at each batch size, measured step by step (plan.py). A free drafter (n-gram, suffix)
         # costs only the target rows its drafts add, which the refitted target model prices.
         self.switch = SpeculationSwitch() if target_cost is not None and self.proposer.cost is not None else None
-        if self.switch is not None:  # each batch size starts in the mode the last process left it in
-            self.switch.restore(history.get("switch"))
         self._answer_tokens: float | None = None  # finished answers' length, a decayed mean
         # the passes on the cores other processes leave free (engine/threads.py), where the kernels run
         # the layers: their bits do not depend on the thread count
@@ -306,16 +304,14 @@ class Engine:
         self._save_history()
 
     def _save_history(self) -> None:
-        """The engine's acceptance counts and each batch size's speculation mode to the cache, for
-        the next process: when a request finishes and none runs (a process may end with no close),
-        else every HISTORY_EVERY s. A cache that cannot be written costs the next process its head
-        start, nothing else."""
+        """The engine's acceptance counts to the cache, for the next process: when a request
+        finishes and none runs (a process may end with no close), else every HISTORY_EVERY s. A cache
+        that cannot be written costs the next process its head start, nothing else."""
         self._history_saved = time.monotonic()
         if self._history is None or not self.acceptance.depths:
             return
         try:
-            write_json(self._history, {"acceptance": self.acceptance.to_dict(),
-                                       "switch": self.switch.to_dict() if self.switch is not None else None})
+            write_json(self._history, {"acceptance": self.acceptance.to_dict()})
         except OSError as e:
             log.warning("the drafter's history was not saved to %s: %s", self._history, e)
 
@@ -336,11 +332,10 @@ class Engine:
 
 
 def history_path(config: EngineConfig, decoder: Decoder) -> Path:
-    """Where the engine keeps its drafter's history between processes (its acceptance, and whether
-    speculating paid at each batch size): one file for each target (its name and weights' size),
-    speculative configuration, CPU, kernel path and device, so that another drafter, K or
-    confidence threshold starts from its own, and a batch size's mode is one this machine measured
-    on these kernels (QUICKDRAFT_ISA=avx2 on an AVX-512 CPU keeps its own)."""
+    """Where the engine keeps its drafter's history between processes (its acceptance): one file
+    for each target (its name and weights' size), speculative configuration, CPU, kernel path and
+    device, so that another drafter, K or confidence threshold starts from its own, and a forced
+    kernel path (QUICKDRAFT_ISA=avx2 on an AVX-512 CPU) keeps its own."""
     from quickdraft.kernels import cpu_model
 
     spec = {f.name: getattr(config.speculative, f.name) for f in dataclasses.fields(config.speculative)
@@ -355,8 +350,7 @@ def history_path(config: EngineConfig, decoder: Decoder) -> Path:
 
 def read_history(path: Path | None) -> dict:
     """The history at ``path``, or {} where there is none or it is damaged (the engine then starts
-    from PROBE_ACCEPTANCE, every batch size speculating); its parts are checked where they are read
-    (plan.Acceptance.from_dict, plan.SpeculationSwitch.restore)."""
+    from PROBE_ACCEPTANCE); its counts are checked where they are read (plan.Acceptance.from_dict)."""
     if path is None:
         return {}
     try:

@@ -433,31 +433,9 @@ class SpeculationSwitch:
             m.skip = True  # back to the current mode: a draft that paused catches up again
 
     def to_dict(self) -> dict:
-        """Each batch size's mode and measured rates (tokens per second), for reports and for the
-        next process (``restore``)."""
+        """Each batch size's mode and measured rates (tokens per second), for reports."""
         return {b: {"speculating": m.on, "speculative_tok_s": m.rate(True), "plain_tok_s": m.rate(False)}
                 for b, m in sorted(self._batches.items())}
-
-    def restore(self, data, seconds: float = 0.25) -> None:
-        """Start from another process's ``to_dict`` on this machine: each batch size in the mode it
-        was left in (a batch size measured losing starts plain, and is probed as in that process),
-        its rates weighing as ``seconds`` of steps (a few decoding steps), so that this process's
-        own steps soon outweigh them. Entries that are not such a record are skipped."""
-        if not isinstance(data, dict):
-            return
-        for key, entry in data.items():
-            try:
-                batch = int(key)
-                on = entry["speculating"]
-                rates = {True: entry["speculative_tok_s"], False: entry["plain_tok_s"]}
-            except (TypeError, ValueError, KeyError):
-                continue
-            if batch < 1 or not isinstance(on, bool):
-                continue
-            mode = self._batches[batch] = _BatchMode(on=on, interval=self.interval)
-            for speculated, rate in rates.items():
-                if isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0:
-                    mode.tokens[speculated], mode.seconds[speculated] = rate * seconds, seconds
 
 
 @dataclass

@@ -305,11 +305,11 @@ def test_free_drafters_have_no_switch():
         assert Engine(config, target=TARGET).switch is None
 
 
-def test_a_drafters_history_carries_to_the_next_process(plain, tmp_cache, monkeypatch):
-    """An adaptive engine keeps its drafter's acceptance, and whether speculating paid at each
-    batch size, in the cache when its requests are done; the next engine with the same target and
-    drafter starts from them (the acceptance weighed as a few steps, engine.HISTORY_STEPS); another
-    drafter does not, and a damaged file is ignored. The output is the target's either way."""
+def test_a_drafters_acceptance_carries_to_the_next_process(plain, tmp_cache, monkeypatch):
+    """An adaptive engine keeps its drafter's acceptance in the cache when its requests are done;
+    the next engine with the same target and drafter starts its plan from it, weighed as a few
+    steps (engine.HISTORY_STEPS); another drafter does not, and a damaged file is ignored. The
+    output is the target's either way."""
     from quickdraft.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "HISTORY_STEPS", 8)
@@ -326,8 +326,6 @@ def test_a_drafters_history_carries_to_the_next_process(plain, tmp_cache, monkey
     assert path.parent == tmp_cache / "acceptance" and path.exists()
     second = engine(spec)
     assert second.acceptance.depths[0][0] == pytest.approx(8.0)
-    modes = {b: m["speculating"] for b, m in first.switch.to_dict().items()}
-    assert modes and {b: m["speculating"] for b, m in second.switch.to_dict().items()} == modes
     assert second.acceptance.odds(3, 0.5).accept == pytest.approx(first.acceptance.odds(3, 0.5, prior_weight=0.0).accept, rel=0.2)
     assert [o.token_ids for o in second.generate_ids(PROMPTS, params)] == plain
     other = engine(SpeculativeConfig.parse({"method": "draft_model", "model": DRAFTS["never"], "num_speculative_tokens": 3}))
