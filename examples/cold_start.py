@@ -22,7 +22,7 @@ def child(model: str, spec: dict, prompt: str | list[dict], max_tokens: int, his
     from quickdraft import LLM, SamplingParams
     from quickdraft.engine import engine
 
-    if not history:  # the plan starts from its neutral prior, as in a process that ran before on no machine
+    if not history:  # the plan starts from its neutral prior, as in a process whose cache holds no history
         engine.HISTORY_STEPS = 0
 
     llm = LLM(model, speculative_config=spec)

@@ -5,7 +5,7 @@ with them; medians of 3 rounds after a warm-up, the modes interleaved. Prints RE
 
     python examples/grammar_drafts.py
 """
-import json, statistics, time, sys
+import json, statistics, time
 import jsonschema
 from quickdraft import LLM, SamplingParams
 from quickdraft.structured import StructuredSpec

@@ -13,7 +13,7 @@ the totals; exits 1 where a status or the serving afterwards was not as expected
 Arguments after the model and this script's own flags go to ``quickdraft serve`` as they are.
 docs/serving-errors.md gives the figures measured with it.
 """
-import argparse, json, os, socket, subprocess, sys, tempfile, time
+import argparse, json, socket, subprocess, sys, tempfile, time
 
 import httpx
 import psutil

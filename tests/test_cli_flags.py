@@ -10,7 +10,6 @@ import re
 
 import pytest
 
-from quickdraft.arguments import Switch
 from quickdraft.bench import loadgen, turns
 from quickdraft.commands.cli import build_parser
 from quickdraft.errors import ConfigError

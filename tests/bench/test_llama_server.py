@@ -8,7 +8,6 @@ import json
 import os
 import stat
 import sys
-import textwrap
 
 import pytest
 

@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 
 from quickdraft.models.families import FAMILIES

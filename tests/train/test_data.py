@@ -4,7 +4,6 @@ shards that resume after an interruption and are refused for another target."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ from quickdraft.errors import ConfigError
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.decoder import AttentionMetadata, Decoder
 from quickdraft.models.loader import LoadedModel, load_model
-from quickdraft.models.tiny import random_weights
 from quickdraft.train import data
 from tests.train.conftest import CONFIG, TARGET
 
