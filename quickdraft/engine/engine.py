@@ -208,10 +208,10 @@ class Engine:
         # the read is a cost of speculating: the switch charges each sequence's share of it to its
         # speculative steps, spread over the steps its answer is expected to take
         seconds, tokens = time.perf_counter() - started, sum(s.num_pending for s in prompts)
+        odds = self.acceptance.odds(max(self.draft_cap(s.params) for s in prompts), PROBE_ACCEPTANCE)
         for s in prompts:
             answer = min(s.params.max_tokens, self._answer_tokens or s.params.max_tokens)
-            cap = self.draft_cap(s.params)
-            steps = max(1.0, answer / self.acceptance.odds(cap, PROBE_ACCEPTANCE).expected_tokens(cap))
+            steps = max(1.0, answer / odds.expected_tokens(self.draft_cap(s.params)))
             s.draft_read_charge = seconds * s.num_pending / tokens / steps
 
     def _speculating(self, seqs: list[Sequence]) -> bool:

@@ -28,7 +28,9 @@ The plan changes nothing but speed: it only decides how many draft tokens the ve
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -57,25 +59,19 @@ class ChainOdds:
     def geometric(cls, alpha: float, depth: int) -> "ChainOdds":
         return cls((alpha,) * max(depth, 1), (1.0,) * max(depth, 1))
 
-    def _at(self, values: tuple[float, ...], j: int) -> float:
-        return values[min(j, len(values)) - 1]
+    def at(self, j: int) -> tuple[float, float]:
+        """Depth j's (acceptance, reach); past the last depth given, the last one's."""
+        i = min(j, len(self.accept)) - 1
+        return self.accept[i], self.reach[i]
 
     def gains(self, depth: int) -> list[float]:
         """[depth]: the chance that the first j drafts are all accepted: the j-th draft's expected
         tokens."""
-        out, g = [], 1.0
-        for j in range(1, depth + 1):
-            g *= self._at(self.accept, j)
-            out.append(g)
-        return out
+        return list(itertools.accumulate((self.at(j)[0] for j in range(1, depth + 1)), operator.mul))
 
     def reaches(self, depth: int) -> list[float]:
         """[depth]: the chance that a j-th draft is made: its expected rows."""
-        out, r = [], 1.0
-        for j in range(1, depth + 1):
-            r *= self._at(self.reach, j)
-            out.append(r)
-        return out
+        return list(itertools.accumulate((self.at(j)[1] for j in range(1, depth + 1)), operator.mul))
 
     def expected_tokens(self, depth: int) -> float:
         """Tokens one verification of a chain capped at ``depth`` yields: its accepted drafts and one."""
@@ -169,7 +165,7 @@ class Acceptance:
         reach: list[float] = []
         for j in range(1, depth + 1):
             if isinstance(prior, ChainOdds):
-                pa, pr = prior._at(prior.accept, j), prior._at(prior.reach, j)
+                pa, pr = prior.at(j)
             else:
                 pa, pr = (prior, 1.0) if j == 1 else (accept[-1], reach[-1])
             c = self.depths[j - 1] if j <= len(self.depths) else (0.0, 0.0, 0.0, 0.0)
